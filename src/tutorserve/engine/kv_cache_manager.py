@@ -1,0 +1,96 @@
+"""What each request may hold of the KV pool: prefix matching, slot allocation, freeing."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from tutorserve.engine.block_pool import BlockPool
+from tutorserve.engine.sequence import Sequence
+
+
+def hash_block(parent: bytes, tokens: list[int], salt: bytes = b"") -> bytes:
+    """Chained block hash: equal hashes mean equal whole prefixes, not just equal blocks.
+
+    A stable digest (not Python's `hash`) so keys stay valid across processes and restarts.
+    """
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(salt)
+    h.update(array("i", tokens).tobytes())
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    def _extend_hashes(self, seq: Sequence) -> None:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < seq.num_tokens // bs:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else b""
+            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt))
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding this request's leading tokens (at least one token left to compute,
+        since sampling needs the last position's logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        self._extend_hashes(seq)
+        hits = []
+        for block_hash in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_query_tokens += num_tokens
+        self.prefix_hit_tokens += num_hit_tokens
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens (after any prefix hits); False if
+        the pool cannot, in which case nothing changes."""
+        hits = hits or []
+        bs = self.block_size
+        total = seq.num_computed_tokens + len(hits) * bs + num_new_tokens
+        need = max(0, -(-total // bs) - len(seq.block_table) - len(hits))
+        # Hit blocks nobody holds sit in the free list; taking them shrinks what is free.
+        idle_hits = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)
+        if need > self.pool.num_free - idle_hits:
+            return False
+        self.pool.touch(hits)
+        seq.block_table.extend(hits)
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Publish blocks whose every token now has its K/V written."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        self._extend_hashes(seq)
+        for i in range(seq.num_registered_blocks, full):
+            self.pool.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = full
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.release(list(reversed(seq.block_table)))
+        seq.block_table = []
+        seq.num_registered_blocks = 0

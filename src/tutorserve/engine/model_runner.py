@@ -1,0 +1,121 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, and samples."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from tutorserve.config import EngineConfig
+from tutorserve.engine.context import PrefillChunk, StepContext, reset_context, set_context
+from tutorserve.engine.sampler import sample
+from tutorserve.engine.scheduler import SchedulerOutput
+from tutorserve.engine.sequence import Sequence
+from tutorserve.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.block_size = config.block_size
+        self.device = device
+        cfg = model.config
+        shape = (cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+        self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        self.last_forward_s = 0.0
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks,
+            config.block_size,
+            2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
+        """Compute every scheduled token; sample for requests whose known tokens are now all
+        computed. Returns those requests and their new tokens."""
+        input_ids, positions, ctx, logit_rows, samplers = self._prepare(batch)
+        start = time.perf_counter()
+        set_context(ctx)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            reset_context()
+        logits = self.model.compute_logits(hidden[logit_rows]) if samplers else None
+        self.last_forward_s = time.perf_counter() - start
+        if logits is None:
+            return [], []
+        return samplers, sample(logits, samplers, self.generator)
+
+    def _prepare(
+        self, batch: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor, list[Sequence]]:
+        bs, dev = self.block_size, self.device
+        ids: list[int] = []
+        pos_parts, slot_parts = [], []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        logit_rows: list[int] = []
+        samplers: list[Sequence] = []
+        offset = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table[: -(-end // bs)])
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                dec_tables.append(table.tolist())
+                dec_lens.append(end)
+            elif start == 0:
+                prefills.append(PrefillChunk(offset, offset + n, end))
+            else:
+                mask = (
+                    torch.arange(end, device=dev)[None, :]
+                    <= torch.arange(start, end, device=dev)[:, None]
+                )
+                prefills.append(
+                    PrefillChunk(offset, offset + n, end, torch.as_tensor(table, device=dev), mask)
+                )
+            if end == seq.num_tokens:
+                logit_rows.append(offset + n - 1)
+                samplers.append(seq)
+            offset += n
+        ctx = StepContext(
+            slot_mapping=torch.as_tensor(np.concatenate(slot_parts), device=dev),
+            num_decode=len(dec_lens),
+            prefills=prefills,
+        )
+        if dec_lens:
+            width = max(len(t) for t in dec_tables)
+            tables = np.zeros((len(dec_tables), width), dtype=np.int64)
+            for r, t in enumerate(dec_tables):
+                tables[r, : len(t)] = t
+            ctx.decode_block_tables = torch.as_tensor(tables, device=dev)
+            lens = torch.as_tensor(dec_lens, device=dev)
+            keys = torch.arange(width * bs, device=dev)
+            ctx.decode_mask = (keys[None, :] < lens[:, None]).view(len(dec_lens), 1, 1, -1)
+        return (
+            torch.as_tensor(ids, device=dev),
+            torch.as_tensor(np.concatenate(pos_parts), device=dev),
+            ctx,
+            torch.as_tensor(logit_rows, device=dev),
+            samplers,
+        )

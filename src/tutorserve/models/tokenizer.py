@@ -1,0 +1,98 @@
+"""Tokenizer: a `tokenizers` fast tokenizer plus the special ids and chat template we need."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as FastTokenizer
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: FastTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: list[int],
+        chat_template: str | None,
+        add_bos_token: bool = False,
+    ) -> None:
+        self._tok = tokenizer
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent)
+            self._template = env.from_string(self.chat_template)
+        tok = self._tok
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
+            eos_token=tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else "",
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: Path, eos_token_ids: list[int] | None = None) -> Tokenizer:
+        fast = FastTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+
+        def token_id(key: str) -> int | None:
+            tok = cfg.get(key)
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            return fast.token_to_id(tok) if tok else None
+
+        eos = eos_token_ids or ([e] if (e := token_id("eos_token")) is not None else [])
+        template = cfg.get("chat_template")
+        template_file = path / "chat_template.jinja"
+        if template is None and template_file.exists():
+            template = template_file.read_text()
+        return cls(
+            fast,
+            bos_token_id=token_id("bos_token"),
+            eos_token_ids=eos,
+            chat_template=template,
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+        )
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)

@@ -1,0 +1,83 @@
+"""The `tutorserve` command line: real subprocesses, exit codes and messages."""
+
+import json
+import subprocess
+import sys
+
+
+def run(*args, stdin=None):
+    return subprocess.run(
+        [sys.executable, "-m", "tutorserve.cli", *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=300,
+    )
+
+
+def test_synth_model_then_generate(tmp_path):
+    out = tmp_path / "m"
+    r = run(
+        "synth-model",
+        str(out),
+        "--arch",
+        "qwen2",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--vocab",
+        "300",
+    )
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["num_key_value_heads"] == 2
+    assert cfg["vocab_size"] == 300
+    r = run(
+        "generate",
+        "--model",
+        str(out),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        "5",
+        "--dtype",
+        "float32",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+
+
+def test_models_lists_default():
+    r = run("models")
+    assert r.returncode == 0
+    assert r.stdout.startswith("smollm2-135m-instruct\t") and ".gguf" in r.stdout
+
+
+def test_errors_exit_nonzero_with_message(tmp_path):
+    r = run("generate", "--model", "no-such-model", "--prompt", "hi")
+    assert r.returncode == 2
+    assert "error: unknown model 'no-such-model'" in r.stderr
+    r = run("generate", "--prompt", "hi", "--top-p", "2")
+    assert r.returncode == 2 and "top_p" in r.stderr
+    r = run("synth-model", str(tmp_path / "x"), "--hidden", "30", "--heads", "4")
+    assert r.returncode == 2 and "divisible" in r.stderr
+
+
+def test_chat_streams_a_reply(synth_llama):
+    r = run(
+        "chat",
+        "--model",
+        synth_llama,
+        "--max-tokens",
+        "6",
+        "--dtype",
+        "float32",
+        stdin="hello tutor\nand again\n",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("tutor> ") == 2
