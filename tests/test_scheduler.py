@@ -367,3 +367,49 @@ def test_remove_waiting_and_running_requests_releases_blocks():
     assert kv.num_free_blocks == 8
     assert kv.pool.num_cached_free() == 2  # a's full blocks stay reusable
     kv.pool.check_integrity()
+
+
+def make_policy_scheduler(policy, max_bypass=32, budget=64):
+    cfg = EngineConfig(block_size=4, num_kv_blocks=256, max_num_batched_tokens=budget,
+                       scheduling=policy, max_bypass=max_bypass)
+    kv = KVCacheManager(256, 4, True)
+    return Scheduler(cfg, kv), kv
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
+def test_cache_aware_admits_cached_course_students_first(policy):
+    sched, kv = make_policy_scheduler(policy, budget=20)
+    course_a, course_b = list(range(100, 132)), list(range(200, 232))  # 8 blocks each
+    sim = Sim(sched, kv)
+    sched.add(make_seq("a0", [*course_a, 1, 2]))
+    while not any(s.request_id == "a0" and s.num_computed_tokens >= 32 for s in sched.running):
+        sim.step()
+    # A new course arrives before more students of the cached course.
+    for rid, toks in [("b0", [*course_b, 3]), ("a1", [*course_a, 4, 5]), ("a2", [*course_a, 6])]:
+        sched.add(make_seq(rid, toks))
+    out = sched.schedule()
+    admitted = {s.request_id: n for s, n in zip(out.seqs, out.num_tokens, strict=True)}
+    if policy == "cache-aware":
+        # The cheap cached students start at once; the new course takes what budget is left.
+        assert admitted["a1"] == 2 and admitted["a2"] == 1
+        assert {s.request_id: s.num_cached_tokens for s in out.seqs}["a1"] == 32
+        assert admitted["b0"] == 20 - sum(n for r, n in admitted.items() if r != "b0")
+    else:
+        assert "b0" in admitted and "a1" not in admitted and "a2" not in admitted
+
+
+def test_cache_aware_bypass_is_bounded():
+    sched, kv = make_policy_scheduler("cache-aware", max_bypass=3, budget=8)
+    course = list(range(100, 132))
+    sim = Sim(sched, kv)
+    sched.add(make_seq("warm", [*course, 1], max_tokens=1))
+    sim.run()
+    cold = make_seq("cold", list(range(300, 340)), max_tokens=1)  # no hits, arrives first
+    sched.add(cold)
+    for i in range(12):  # students with a cached prefix, all behind it
+        sched.add(make_seq(f"s{i}", [*course, 10 + i], max_tokens=1))
+    sim.run()
+    order = [rid for _, rid in sim.admissions if rid != "warm"]
+    assert order.index("cold") == 3  # passed over exactly max_bypass times, then first
+    assert cold.num_bypassed == 3
+    assert sorted(order) == sorted(["cold", *(f"s{i}" for i in range(12))])

@@ -22,8 +22,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV budget in GiB")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--scheduling",
+        default="cache-aware",
+        choices=["cache-aware", "fcfs"],
+        help="admission order within a priority",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None)
 
@@ -39,6 +45,7 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": a.max_num_seqs,
         "max_num_batched_tokens": a.max_num_batched_tokens,
         "enable_prefix_caching": not a.no_prefix_caching,
+        "scheduling": a.scheduling,
         "seed": a.seed,
         "num_threads": a.num_threads,
     }

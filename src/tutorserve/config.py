@@ -17,8 +17,12 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Admission order within a priority: "fcfs", or "cache-aware" (longest cached prefix first,
+    # each request passed over at most max_bypass times).
+    scheduling: str = "cache-aware"
+    max_bypass: int = 32
     seed: int = 0
     num_threads: int | None = None
 
@@ -41,6 +45,10 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes must be positive")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.scheduling not in ("fcfs", "cache-aware"):
+            raise ValueError(f"scheduling must be fcfs or cache-aware, got {self.scheduling!r}")
+        if self.max_bypass < 0:
+            raise ValueError("max_bypass must be >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype}")
         if self.device not in ("auto", "cpu", "cuda"):

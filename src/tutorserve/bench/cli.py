@@ -15,7 +15,7 @@ from pathlib import Path
 from tutorserve.models.registry import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
-ALL_SYSTEMS = ("tutorserve", "tutorserve-nocache", "transformers", "vllm")
+ALL_SYSTEMS = ("tutorserve", "tutorserve-nocache", "transformers", "vllm", "vllm-allcores")
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG results")
     p.set_defaults(func=cmd_offline)
@@ -71,7 +71,8 @@ def cmd_offline(a: argparse.Namespace) -> int:
         max_num_batched_tokens=a.max_num_batched_tokens,
     )
     results: dict[str, list[offline.SystemResult]] = {}
-    hf_dir = _hf_dir(a.model, resolve(a.model)) if {"transformers", "vllm"} & set(systems) else ""
+    peers = {"transformers", "vllm", "vllm-allcores"} & set(systems)
+    hf_dir = _hf_dir(a.model, resolve(a.model)) if peers else ""
     for system in systems:
         log.info("benchmarking %s", system)
         if system == "tutorserve":
@@ -86,8 +87,9 @@ def cmd_offline(a: argparse.Namespace) -> int:
             res = offline.run_transformers(hf_dir, runs, warm, a.hf_batch_size, a.dtype)
             results[res[0].system] = res
         else:
-            vres = [r for r in (offline.run_vllm(hf_dir, t, a.max_num_seqs) for t in runs) if r]
-            if vres:
+            all_cores = system == "vllm-allcores"
+            vres = [offline.run_vllm(hf_dir, t, a.max_num_seqs, all_cores) for t in runs]
+            if all(vres):
                 results[vres[0].system] = vres
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

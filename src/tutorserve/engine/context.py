@@ -25,12 +25,45 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class SharedPrefixGroups:
+    """Decode rows whose block tables start with the same cached blocks (students of one
+    course). Attention over that shared prefix is computed once per group for all its queries,
+    then merged with each row's own suffix by log-sum-exp (cascade attention)."""
+
+    tables: torch.Tensor  # [groups, max_prefix_blocks] shared prefix blocks, padded
+    mask: torch.Tensor | None  # [groups, 1, max_prefix_blocks * block_size]; None: no padding
+    rows: torch.Tensor  # [groups, max_members] decode row of each member, padded with 0
+    member_slots: torch.Tensor  # [grouped_rows] flat (group, member) index of each grouped row
+    grouped_rows: torch.Tensor  # [grouped_rows] decode row index
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    """Decode rows of similar suffix length, padded to one width together (one long history
+    must not pad every other row to its length)."""
+
+    rows: torch.Tensor | None  # decode row indices; None = all rows, in order
+    tables: torch.Tensor  # [rows, max_blocks] blocks after any shared prefix, padded
+    mask: torch.Tensor | None  # [rows, 1, max_blocks * block_size]; None: no padding
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """The one-token rows, which come first in the flattened batch."""
+
+    buckets: list[DecodeBucket]
+    shared: SharedPrefixGroups | None = None
+
+
+@dataclass(slots=True)
 class StepContext:
     slot_mapping: torch.Tensor  # [num_tokens] KV slot of every token computed this step
-    num_decode: int = 0  # the first num_decode tokens each belong to a different request
-    decode_block_tables: torch.Tensor | None = None  # [num_decode, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size]
+    num_decode: int = 0
+    decode: DecodeBatch | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Grow-only scratch tensors reused across layers and steps (gathered K/V), so large
+    # gathers do not fault in fresh pages every time.
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 _CONTEXT: StepContext | None = None

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tutorserve.config import EngineConfig
+from tutorserve.engine.attn_metadata import build_decode_batch
 from tutorserve.engine.context import PrefillChunk, StepContext, reset_context, set_context
 from tutorserve.engine.sampler import sample
 from tutorserve.engine.scheduler import SchedulerOutput
@@ -31,12 +32,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = device
         cfg = model.config
-        shape = (cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, config.block_size, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
+        self.share_prefixes = config.enable_prefix_caching
+        self.workspace: dict[str, torch.Tensor] = {}
         self.last_forward_s = 0.0
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -78,22 +81,19 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
             pos = np.arange(start, end)
-            table = np.asarray(seq.block_table[: -(-end // bs)])
+            table = seq.block_table[: -(-end // bs)]
             pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            slot_parts.append(np.asarray(table)[pos // bs] * bs + pos % bs)
             if n == 1:
-                dec_tables.append(table.tolist())
+                dec_tables.append(table)
                 dec_lens.append(end)
             elif start == 0:
                 prefills.append(PrefillChunk(offset, offset + n, end))
             else:
-                mask = (
-                    torch.arange(end, device=dev)[None, :]
-                    <= torch.arange(start, end, device=dev)[:, None]
-                )
-                prefills.append(
-                    PrefillChunk(offset, offset + n, end, torch.as_tensor(table, device=dev), mask)
-                )
+                keys = torch.arange(end, device=dev)
+                mask = keys[None, :] <= torch.arange(start, end, device=dev)[:, None]
+                table_t = torch.as_tensor(table, device=dev)
+                prefills.append(PrefillChunk(offset, offset + n, end, table_t, mask))
             if end == seq.num_tokens:
                 logit_rows.append(offset + n - 1)
                 samplers.append(seq)
@@ -102,16 +102,10 @@ class ModelRunner:
             slot_mapping=torch.as_tensor(np.concatenate(slot_parts), device=dev),
             num_decode=len(dec_lens),
             prefills=prefills,
+            workspace=self.workspace,
         )
         if dec_lens:
-            width = max(len(t) for t in dec_tables)
-            tables = np.zeros((len(dec_tables), width), dtype=np.int64)
-            for r, t in enumerate(dec_tables):
-                tables[r, : len(t)] = t
-            ctx.decode_block_tables = torch.as_tensor(tables, device=dev)
-            lens = torch.as_tensor(dec_lens, device=dev)
-            keys = torch.arange(width * bs, device=dev)
-            ctx.decode_mask = (keys[None, :] < lens[:, None]).view(len(dec_lens), 1, 1, -1)
+            ctx.decode = build_decode_batch(dec_tables, dec_lens, bs, dev, self.share_prefixes)
         return (
             torch.as_tensor(ids, device=dev),
             torch.as_tensor(np.concatenate(pos_parts), device=dev),

@@ -18,6 +18,7 @@ from tutorserve.engine.kv_cache_manager import KVCacheManager
 from tutorserve.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
+_LPM_WINDOW = 64  # waiting requests ranked per admission; bounds the cost under overload
 
 
 @dataclass(slots=True)
@@ -84,15 +85,48 @@ class Scheduler:
             seqs=[s for s, _ in picked], num_tokens=[n for _, n in picked], preempted=preempted
         )
 
+    def _candidates(self) -> list[tuple[Sequence, list[int]]]:
+        """Waiting requests in admission order, with their prefix-cache hits.
+
+        FCFS within a priority, or cache-aware: among the first few waiting requests of the best
+        priority, longest cached prefix first (SGLang's LPM), so the students of a course whose
+        prompt was just computed start before a new course's long prefill. A request bypassed
+        `max_bypass` times goes first, which bounds how long anyone can be passed over.
+        """
+        window = self.waiting[:_LPM_WINDOW]
+        ranked = [(seq, self.kv.match_prefix(seq)) for seq in window]
+        if self.config.scheduling == "cache-aware":
+            limit = self.config.max_bypass
+            ranked.sort(
+                key=lambda c: (
+                    c[0].priority,
+                    c[0].num_bypassed < limit,
+                    -len(c[1]),
+                    c[0].arrival_order,
+                )
+            )
+        return ranked
+
     def _admit(self, picked: list[tuple[Sequence, int]], budget: int) -> int:
         bs = self.kv.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            hits = self.kv.match_prefix(seq)
+        # Hits cannot change within a step (blocks are published after they are computed), so
+        # one ranking serves the step unless someone reaches the bypass limit meanwhile.
+        ranked = self._candidates() if self.waiting else []
+        inflight = self._inflight_blocks() if ranked else set()
+        deferred: set[int] = set()  # ids of requests waiting on a prefix being computed
+        i = 0
+        while i < len(ranked) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq, hits = ranked[i]
+            if seq.num_bypassed < self.config.max_bypass and self._wait_for_prefix(
+                seq, hits, inflight
+            ):
+                deferred.add(id(seq))
+                i += 1
+                continue
             n = min(seq.num_tokens - len(hits) * bs, budget)
             if not self.kv.allocate(seq, n, hits):
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             self.kv.record_prefix_lookup(seq.num_tokens, len(hits) * bs)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = len(hits) * bs
@@ -101,7 +135,46 @@ class Scheduler:
             bisect.insort(self.running, seq, key=Sequence.sort_key)
             picked.append((seq, n))
             budget -= n
+            inflight.update(seq.block_hashes[len(hits) :])
+            if self._count_bypass(seq, deferred):
+                ranked, i = self._candidates(), 0
+            else:
+                i += 1
         return budget
+
+    def _inflight_blocks(self) -> set[bytes]:
+        """Hashes of prompt blocks that running requests are still prefilling."""
+        if self.config.scheduling == "fcfs" or not self.kv.enable_prefix_caching:
+            return set()
+        bs, out = self.kv.block_size, set()
+        for seq in self.running:
+            if seq.num_tokens - seq.num_computed_tokens > 1:
+                self.kv.extend_hashes(seq)
+                out.update(seq.block_hashes[seq.num_computed_tokens // bs :])
+        return out
+
+    @staticmethod
+    def _wait_for_prefix(seq: Sequence, hits: list[int], inflight: set[bytes]) -> bool:
+        """True when the next block this request would compute is being computed right now by
+        another request (a student of a course whose prompt is mid-prefill): waiting a step or
+        two turns that prefill into a cache hit instead of computing the prompt twice."""
+        nxt = len(hits)
+        return nxt < len(seq.block_hashes) and seq.block_hashes[nxt] in inflight
+
+    def _count_bypass(self, admitted: Sequence, deferred: set[int]) -> bool:
+        """Charge every earlier arrival still waiting, except those deferred for their own
+        prefix's sake; True if one just reached the limit."""
+        if self.config.scheduling == "fcfs":
+            return False
+        key, limit, aged = admitted.sort_key(), self.config.max_bypass, False
+        for seq in self.waiting:
+            if seq.sort_key() >= key:
+                break
+            if id(seq) in deferred:
+                continue
+            seq.num_bypassed += 1
+            aged |= seq.num_bypassed == limit
+        return aged
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)

@@ -46,6 +46,7 @@ class Sequence:
     finish_reason: str | None = None
     num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1 until then
     num_preemptions: int = 0
+    num_bypassed: int = 0  # admissions of later arrivals while this one waited
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None

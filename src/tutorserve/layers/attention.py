@@ -1,11 +1,14 @@
 """Paged attention in plain PyTorch.
 
-K/V for every computed token live in a per-layer cache of fixed-size blocks
-([num_blocks, block_size, kv_heads, head_dim]); a request's block table lists its blocks in order.
-Each step writes the new tokens' K/V at their slots, then:
-- decode rows (one query token each) are batched: their contexts are gathered block-wise into a
-  padded tensor and one SDPA call covers them all, the query heads of a KV group folded into
-  the query-length axis so GQA needs no K/V repetition;
+Per layer, K and V for every computed token live in a cache of fixed-size blocks laid out
+[kv_heads, num_blocks, block_size, head_dim]: gathering a request's blocks then yields, per KV
+head, one contiguous [context, head_dim] matrix ready for a matmul. Each step writes the new
+tokens' K/V at their slots, then:
+- decode rows (one query token each) are batched; the query heads of a KV group are folded into
+  the query axis so GQA needs no K/V repetition. Rows sharing a cached prefix attend to it once
+  per group (cascade attention), and each row to its own suffix; the two partial results are
+  merged by their log-sum-exp. Shared course prompts are thus read once per step, not once per
+  student;
 - each prefill chunk attends to its gathered context with a causal mask offset by what was
   already cached, or, when it is the whole context, with plain causal attention on fresh K/V.
 """
@@ -16,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tutorserve.engine.context import get_context
+from tutorserve.engine.context import DecodeBatch, DecodeBucket, StepContext, get_context
 
 
 class PagedAttention(nn.Module):
@@ -35,16 +38,16 @@ class PagedAttention(nn.Module):
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim] → [T, heads * dim]."""
         ctx = get_context()
         n_tok = q.shape[0]
-        kv_heads, dim = self.num_kv_heads, self.head_dim
-        self.k_cache.view(-1, kv_heads, dim).index_copy_(0, ctx.slot_mapping, k)
-        self.v_cache.view(-1, kv_heads, dim).index_copy_(0, ctx.slot_mapping, v)
+        kvh, dim = self.num_kv_heads, self.head_dim
+        self.k_cache.view(kvh, -1, dim).index_copy_(1, ctx.slot_mapping, k.transpose(0, 1))
+        self.v_cache.view(kvh, -1, dim).index_copy_(1, ctx.slot_mapping, v.transpose(0, 1))
 
         nd = ctx.num_decode
-        if nd == n_tok and not ctx.prefills:
-            return self._decode(q, ctx.decode_block_tables, ctx.decode_mask).view(n_tok, -1)
+        if nd == n_tok and ctx.decode is not None:
+            return self._decode(q, ctx.decode, ctx).view(n_tok, -1)
         out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self._decode(q[:nd], ctx.decode_block_tables, ctx.decode_mask)
+        if nd and ctx.decode is not None:
+            out[:nd] = self._decode(q[:nd], ctx.decode, ctx)
         for p in ctx.prefills:
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             if p.block_table is None:
@@ -54,26 +57,85 @@ class PagedAttention(nn.Module):
                     qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
                 )
             else:
-                ks = self._gather(self.k_cache, p.block_table, p.context_len)
-                vs = self._gather(self.v_cache, p.block_table, p.context_len)
+                table = p.block_table.unsqueeze(0)
+                ks = self._gather(ctx, "k", self.k_cache, table)[:, :, : p.context_len]
+                vs = self._gather(ctx, "v", self.v_cache, table)[:, :, : p.context_len]
+                ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [1, kv_heads, ctx, dim]
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=p.mask, scale=self.scale, enable_gqa=True
                 )
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out.view(n_tok, -1)
 
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-        """One request's context as [1, kv_heads, length, dim]."""
-        flat = cache[block_table].view(-1, self.num_kv_heads, self.head_dim)[:length]
-        return flat.transpose(0, 1).unsqueeze(0)
-
-    def _decode(
-        self, q: torch.Tensor, block_tables: torch.Tensor, mask: torch.Tensor
+    def _gather(
+        self, ctx: StepContext, name: str, cache: torch.Tensor, tables: torch.Tensor
     ) -> torch.Tensor:
+        """Blocks of `tables` [rows, blocks] as a contiguous [kv_heads, rows, keys, dim], whose
+        two leading dims fold into one batch dim for the attention matmuls without a copy."""
+        rows, nb = tables.shape
+        kvh, _, bs, dim = cache.shape
+        numel = kvh * rows * nb * bs * dim
+        buf = ctx.workspace.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
+            buf = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+            ctx.workspace[name] = buf
+        out = buf[:numel].view(kvh, rows * nb, bs, dim)
+        torch.index_select(cache, 1, tables.reshape(-1), out=out)
+        return out.view(kvh, rows, nb * bs, dim)
+
+    def _decode_rows(
+        self, q: torch.Tensor, bucket: DecodeBucket, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of decode rows over their own (suffix) blocks, with log-sum-exp."""
+        rows = q.shape[0]
+        kvh, dim = self.num_kv_heads, self.head_dim
+        k = self._gather(ctx, "k", self.k_cache, bucket.tables)
+        v = self._gather(ctx, "v", self.v_cache, bucket.tables)
+        qd = q.view(rows, kvh, self.group, dim).transpose(0, 1)  # [kv_heads, rows, group, dim]
+        o, lse = _attend(qd, k, v, bucket.mask, self.scale)
+        o = o.transpose(0, 1).reshape(rows, self.num_heads, dim)
+        return o, lse.transpose(0, 1).reshape(rows, self.num_heads, 1)
+
+    def _decode(self, q: torch.Tensor, batch: DecodeBatch, ctx: StepContext) -> torch.Tensor:
         nd = q.shape[0]
-        kv_heads, dim = self.num_kv_heads, self.head_dim
-        k = self.k_cache[block_tables].view(nd, -1, kv_heads, dim).transpose(1, 2)
-        v = self.v_cache[block_tables].view(nd, -1, kv_heads, dim).transpose(1, 2)
-        qg = q.view(nd, kv_heads, self.group, dim)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
-        return o.reshape(nd, self.num_heads, dim)
+        kvh, g, dim = self.num_kv_heads, self.group, self.head_dim
+        if len(batch.buckets) == 1:
+            o, lse = self._decode_rows(q, batch.buckets[0], ctx)
+        else:
+            o = torch.empty(nd, self.num_heads, dim, dtype=torch.float32, device=q.device)
+            lse = torch.empty(nd, self.num_heads, 1, dtype=torch.float32, device=q.device)
+            for bucket in batch.buckets:
+                o[bucket.rows], lse[bucket.rows] = self._decode_rows(q[bucket.rows], bucket, ctx)
+        sp = batch.shared
+        if sp is not None:
+            ng, members = sp.rows.shape
+            qp = q[sp.rows.reshape(-1)].view(ng, members, kvh, g, dim)
+            qp = qp.permute(2, 0, 1, 3, 4).reshape(kvh, ng, members * g, dim)
+            kp = self._gather(ctx, "kp", self.k_cache, sp.tables)
+            vp = self._gather(ctx, "vp", self.v_cache, sp.tables)
+            op, lsep = _attend(qp, kp, vp, sp.mask, self.scale)
+            op = op.view(kvh, ng, members, g, dim).permute(1, 2, 0, 3, 4)
+            lsep = lsep.view(kvh, ng, members, g, 1).permute(1, 2, 0, 3, 4)
+            op = op.reshape(ng * members, self.num_heads, dim)[sp.member_slots]
+            lsep = lsep.reshape(ng * members, self.num_heads, 1)[sp.member_slots]
+            rows = sp.grouped_rows
+            os_, lses = o[rows], lse[rows]
+            total = torch.logaddexp(lses, lsep)
+            o[rows] = os_ * torch.exp(lses - total) + op * torch.exp(lsep - total)
+        return o.to(q.dtype)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp of the scores, for merging partial
+    results. q: [kvh, B, M, d]; k, v: [kvh, B, L, d]; mask: [B, 1, L] or None when every key
+    is valid → float32 outputs."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(mask.logical_not(), float("-inf"))
+    peak = scores.amax(dim=-1, keepdim=True)
+    probs = torch.exp(scores.sub_(peak))
+    norm = probs.sum(dim=-1, keepdim=True)
+    out = torch.matmul(probs.to(v.dtype), v).float().div_(norm)
+    return out, peak + norm.log()

@@ -1,0 +1,128 @@
+"""Attention metadata for the decode rows of a step: padded block tables, validity masks, and
+the groups of rows that share a cached prefix (for cascade attention)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tutorserve.engine.context import DecodeBatch, DecodeBucket, SharedPrefixGroups
+
+
+def build_decode_batch(
+    tables: list[list[int]],
+    lens: list[int],
+    block_size: int,
+    device: torch.device,
+    share_prefixes: bool,
+) -> DecodeBatch:
+    """Block tables (covering each row's context) split into shared prefixes and own suffixes.
+
+    Rows share blocks only through the prefix cache, so shared blocks are full and already
+    computed; each row's newest token stays in its own suffix.
+    """
+    bs = block_size
+    shared_blocks = [0] * len(tables)
+    groups = _shared_prefix_groups(tables, lens, bs) if share_prefixes else []
+    for rows, n in groups:
+        for r in rows:
+            shared_blocks[r] = n
+    suffix = [t[s:] for t, s in zip(tables, shared_blocks, strict=True)]
+    suffix_lens = [n - s * bs for n, s in zip(lens, shared_blocks, strict=True)]
+    buckets = []
+    for rows in _buckets([len(t) for t in suffix]):
+        tables_b, mask_b = padded(
+            [suffix[r] for r in rows], [suffix_lens[r] for r in rows], bs, device
+        )
+        whole = len(rows) == len(suffix) and rows == sorted(rows)
+        rows_t = None if whole else torch.as_tensor(rows, device=device)
+        buckets.append(DecodeBucket(rows_t, tables_b, mask_b))
+    batch = DecodeBatch(buckets)
+    if groups:
+        ptables, pmask = padded(
+            [tables[rows[0]][:n] for rows, n in groups], [n * bs for _, n in groups], bs, device
+        )
+        width = max(len(rows) for rows, _ in groups)
+        members = np.zeros((len(groups), width), dtype=np.int64)
+        slots, grouped = [], []
+        for g, (rows, _) in enumerate(groups):
+            members[g, : len(rows)] = rows
+            slots += [g * width + j for j in range(len(rows))]
+            grouped += rows
+        batch.shared = SharedPrefixGroups(
+            tables=ptables,
+            mask=pmask,
+            rows=torch.as_tensor(members, device=device),
+            member_slots=torch.as_tensor(slots, device=device),
+            grouped_rows=torch.as_tensor(grouped, device=device),
+        )
+    return batch
+
+
+def padded(
+    tables: list[list[int]], lens: list[int], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tables padded with block 0 to one width, and the [rows, 1, keys] validity mask (None
+    when every row fills the width exactly)."""
+    width = max(len(t) for t in tables)
+    arr = np.zeros((len(tables), width), dtype=np.int64)
+    for r, t in enumerate(tables):
+        arr[r, : len(t)] = t
+    if all(n == width * block_size for n in lens):
+        return torch.as_tensor(arr, device=device), None
+    keys = torch.arange(width * block_size, device=device)
+    lens_t = torch.as_tensor(lens, device=device)
+    mask = (keys[None, :] < lens_t[:, None]).view(len(tables), 1, -1)
+    return torch.as_tensor(arr, device=device), mask
+
+
+def _shared_prefix_groups(
+    tables: list[list[int]], lens: list[int], bs: int
+) -> list[tuple[list[int], int]]:
+    """(rows, shared block count) groups. Within rows starting at the same block, the prefix
+    length that saves the most reads (length × members) wins; rows that diverge earlier (a
+    student who computed part of the prompt itself) are grouped again among themselves rather
+    than shortening everyone's shared prefix."""
+    by_head: dict[int, list[int]] = {}
+    for r, t in enumerate(tables):
+        by_head.setdefault(t[0], []).append(r)
+    groups = []
+    for members in by_head.values():
+        while len(members) >= 2:
+            leader = tables[members[0]]
+            lcp = {}
+            for r in members:
+                limit, t, n = (lens[r] - 1) // bs, tables[r], 0
+                while n < limit and n < len(leader) and t[n] == leader[n]:
+                    n += 1
+                lcp[r] = n
+            best, gain = 0, 0
+            for n in set(lcp.values()):
+                k = sum(1 for v in lcp.values() if v >= n)
+                if k >= 2 and n * k > gain:
+                    best, gain = n, n * k
+            if not best:
+                members = members[1:]
+                continue
+            groups.append(([r for r in members if lcp[r] >= best], best))
+            members = [r for r in members if lcp[r] < best]
+    return groups
+
+
+def _buckets(widths: list[int]) -> list[list[int]]:
+    """Rows split by width (blocks) where padding them together would waste over a quarter of
+    the gathered keys; otherwise one bucket with rows in their original order."""
+
+    def split(idx: list[int]) -> list[list[int]]:
+        cost = len(idx) * widths[idx[-1]]
+        best, at = cost, 0
+        for i in range(1, len(idx)):
+            c = i * widths[idx[i - 1]] + (len(idx) - i) * widths[idx[-1]]
+            if c < best:
+                best, at = c, i
+        if not at or best > 0.75 * cost:
+            return [idx]
+        return split(idx[:at]) + split(idx[at:])
+
+    parts = split(sorted(range(len(widths)), key=widths.__getitem__))
+    return [list(range(len(widths)))] if len(parts) == 1 else parts

@@ -1,0 +1,104 @@
+"""Paged attention against dense reference attention, including cascade (shared-prefix) decode."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tutorserve.engine.attn_metadata import build_decode_batch
+from tutorserve.engine.context import PrefillChunk, StepContext, reset_context, set_context
+from tutorserve.layers.attention import PagedAttention
+
+BS, KVH, GROUP, DIM, BLOCKS = 4, 2, 3, 8, 96
+
+
+def make_layer(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    attn = PagedAttention(KVH * GROUP, KVH, DIM)
+    attn.k_cache = torch.randn(KVH, BLOCKS, BS, DIM, generator=g)
+    attn.v_cache = torch.randn(KVH, BLOCKS, BS, DIM, generator=g)
+    return attn
+
+
+def context_kv(attn, table, length):
+    """Dense [KVH, length, DIM] K and V of one request, read block by block."""
+    k = torch.cat([attn.k_cache[:, b] for b in table], dim=1)[:, :length]
+    v = torch.cat([attn.v_cache[:, b] for b in table], dim=1)[:, :length]
+    return k, v
+
+
+def reference_decode(attn, q, k_new, v_new, tables, lens):
+    outs = []
+    for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
+        k, v = context_kv(attn, t, n)
+        k[:, n - 1], v[:, n - 1] = k_new[i], v_new[i]
+        o = F.scaled_dot_product_attention(
+            q[i].unsqueeze(1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), enable_gqa=True
+        )
+        outs.append(o.reshape(-1))
+    return torch.stack(outs)
+
+
+def slots_of(tables, lens):
+    return torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens,
+                                                                              strict=True)])
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_decode_with_shared_prefixes_matches_dense(share):
+    attn = make_layer()
+    prefix_a, prefix_b = [1, 2, 3, 4, 5, 6], [9, 10]
+    tables = [
+        [*prefix_a, 20, 21], [*prefix_a, 22], [*prefix_a, 23, 24, 25],  # course A
+        [*prefix_b, 30], [*prefix_b, 31, 32],  # course B
+        [40, 41, 42],  # a student alone
+        [*prefix_a[:3], 50],  # these two share only part of course A's prefix:
+        [*prefix_a[:3], 51, 52],  # they form their own group rather than shorten A's
+        list(range(60, 74)),  # a long history of its own: bucketed apart, not padded to
+    ]
+    lens = [29, 26, 34, 10, 15, 9, 13, 18, 55]
+    batch = build_decode_batch(tables, lens, BS, torch.device("cpu"), share)
+    assert len(batch.buckets) > 1
+    if share:
+        assert batch.shared is not None
+        assert sorted(batch.shared.grouped_rows.tolist()) == [0, 1, 2, 3, 4, 6, 7]
+        assert sorted(batch.shared.tables.ne(0).sum(1).tolist()) == [2, 3, 6]
+    else:
+        assert batch.shared is None
+    g = torch.Generator().manual_seed(1)
+    n = len(tables)
+    q = torch.randn(n, KVH * GROUP, DIM, generator=g)
+    k_new, v_new = torch.randn(n, KVH, DIM, generator=g), torch.randn(n, KVH, DIM, generator=g)
+    ref = reference_decode(attn, q, k_new, v_new, tables, lens)
+    set_context(StepContext(slot_mapping=slots_of(tables, lens), num_decode=n, decode=batch))
+    try:
+        out = attn(q, k_new, v_new)
+    finally:
+        reset_context()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_chunk_after_cached_prefix_matches_dense():
+    attn = make_layer(seed=2)
+    table, cached, new = [7, 8, 9, 10, 11], 9, 8  # 9 cached tokens, 8 new ones
+    total = cached + new
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(new, KVH * GROUP, DIM, generator=g)
+    k_new, v_new = torch.randn(new, KVH, DIM, generator=g), torch.randn(new, KVH, DIM, generator=g)
+    k, v = context_kv(attn, table, total)
+    k[:, cached:], v[:, cached:] = k_new.transpose(0, 1), v_new.transpose(0, 1)
+    mask = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+        enable_gqa=True,
+    ).squeeze(0).transpose(0, 1).reshape(new, -1)
+    pos = torch.arange(cached, total)
+    slots = torch.tensor(table)[pos // BS] * BS + pos % BS
+    chunk = PrefillChunk(0, new, total, torch.tensor(table), mask)
+    set_context(StepContext(slot_mapping=slots, prefills=[chunk]))
+    try:
+        out = attn(q, k_new, v_new)
+    finally:
+        reset_context()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # The new K/V landed in the cache at the slot mapping.
+    torch.testing.assert_close(context_kv(attn, table, total)[0][:, cached:], k_new.transpose(0, 1))
