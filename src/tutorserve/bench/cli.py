@@ -15,7 +15,15 @@ from pathlib import Path
 from tutorserve.models.registry import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
-ALL_SYSTEMS = ("tutorserve", "tutorserve-nocache", "transformers", "vllm", "vllm-allcores")
+ALL_SYSTEMS = (
+    "tutorserve",
+    "tutorserve-warm",
+    "tutorserve-nocache",
+    "transformers",
+    "vllm",
+    "vllm-allcores",
+)
+WARM = "tutorserve (prefix cache, courses warm)"
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,6 +86,16 @@ def cmd_offline(a: argparse.Namespace) -> int:
         if system == "tutorserve":
             results["tutorserve (prefix cache)"] = offline.run_tutorserve(
                 system, a.model, runs, warm, **engine_opts
+            )
+        elif system == "tutorserve-warm":
+            primes = [
+                edu_shared_prefix(
+                    tok, seed=k + 1, question_seed=10_000 + k, **shape | {"students": 1}
+                )
+                for k in range(a.repeats)
+            ]
+            results[WARM] = offline.run_tutorserve(
+                system, a.model, runs, warm, primes=primes, **engine_opts
             )
         elif system == "tutorserve-nocache":
             results["tutorserve (no prefix cache)"] = offline.run_tutorserve(

@@ -107,8 +107,11 @@ def edu_shared_prefix(
     question_tokens: int = 60,
     output_tokens: int = 64,
     seed: int = 0,
+    question_seed: int | None = None,
 ) -> list[Request]:
-    """courses × students requests, interleaved the way an evening of traffic arrives."""
+    """courses × students requests, interleaved the way an evening of traffic arrives.
+    `seed` fixes the course prompts; `question_seed` (default: seed) the students' questions,
+    so another cohort of the same courses can be drawn."""
     rng = random.Random(seed)
     systems = [
         _text_of_tokens(
@@ -120,6 +123,7 @@ def edu_shared_prefix(
         )
         for c in range(courses)
     ]
+    rng = random.Random(seed if question_seed is None else question_seed + 7919)
     out = []
     for s in range(students):
         for c in range(courses):
