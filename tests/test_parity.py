@@ -38,9 +38,12 @@ def smollm2():
 @pytest.mark.slow
 def test_smollm2_gguf_parity(smollm2, hf_greedy):
     hf, tok, llm = smollm2
-    course = (
-        "You are a patient algebra tutor. Ask one guiding question at a time and never "
-        "reveal the final answer. "
+    course = (  # long enough to span several KV blocks, so the prefix cache serves it
+        "You are a patient tutor for a class of secondary-school students. Ask one guiding "
+        "question at a time, never reveal the final answer, and praise effort rather than "
+        "talent. When a student is stuck, give a small hint that points at the next step. "
+        "Use short sentences and plain words. Check understanding by asking the student to "
+        "explain the idea back in their own words before moving on to a new problem. "
     )
     questions = [
         "How do I solve x^2 - 5x + 6 = 0?",
@@ -66,6 +69,8 @@ def test_smollm2_gguf_parity(smollm2, hf_greedy):
     ref = hf_greedy(hf, prompts, 12)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == ref
+    hits = [o.metrics.num_cached_tokens for o in outs]
+    assert sum(hits) >= 7 * 64, hits
 
 
 @pytest.mark.slow

@@ -113,7 +113,7 @@ class PagedAttention(nn.Module):
             qp = qp.permute(2, 0, 1, 3, 4).reshape(kvh, ng, members * g, dim)
             kp = self._gather(ctx, "kp", self.k_cache, sp.tables)
             vp = self._gather(ctx, "vp", self.v_cache, sp.tables)
-            op, lsep = _attend(qp, kp, vp, sp.mask, self.scale)
+            op, lsep = _attend_many(qp, kp, vp, sp.mask, self.scale)
             op = op.view(kvh, ng, members, g, dim).permute(1, 2, 0, 3, 4)
             lsep = lsep.view(kvh, ng, members, g, 1).permute(1, 2, 0, 3, 4)
             op = op.reshape(ng * members, self.num_heads, dim)[sp.member_slots]
@@ -139,3 +139,30 @@ def _attend(
     norm = probs.sum(dim=-1, keepdim=True)
     out = torch.matmul(probs.to(v.dtype), v).float().div_(norm)
     return out, peak + norm.log()
+
+
+def _attend_many(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend` for many queries per key row (a course's students over its shared prompt).
+    On CPU, PyTorch's fused flash-attention kernel also returns the log-sum-exp, and beats the
+    unfused ops once a key row serves this many queries; elsewhere, the unfused path."""
+    if q.device.type != "cpu" or not hasattr(torch.ops.aten, _FLASH_CPU):
+        return _attend(q, k, v, mask, scale)
+    bias = None
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill_(mask.logical_not(), float("-inf")).unsqueeze(1)
+    out, lse = getattr(torch.ops.aten, _FLASH_CPU)(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        0.0,
+        False,
+        attn_mask=bias,
+        scale=scale,
+    )
+    return out.transpose(0, 1).float(), lse.transpose(0, 1).unsqueeze(-1)
+
+
+_FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
