@@ -50,7 +50,6 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
-    text: str = ""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
