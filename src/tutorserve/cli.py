@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from tutorserve.models.registry import DEFAULT_MODEL
+from tutorserve.sampling_params import SamplingParams
 
 log = logging.getLogger("tutorserve")
 
@@ -61,9 +62,7 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def sampling_params(a: argparse.Namespace):
-    from tutorserve.sampling_params import SamplingParams
-
+def sampling_params(a: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=a.max_tokens,
         temperature=a.temperature,

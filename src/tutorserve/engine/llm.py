@@ -12,6 +12,7 @@ from tutorserve.config import EngineConfig
 from tutorserve.engine.engine import LLMEngine
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.models.registry import DEFAULT_MODEL
+from tutorserve.models.tokenizer import Tokenizer
 from tutorserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -24,7 +25,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(
