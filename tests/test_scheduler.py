@@ -370,8 +370,13 @@ def test_remove_waiting_and_running_requests_releases_blocks():
 
 
 def make_policy_scheduler(policy, max_bypass=32, budget=64):
-    cfg = EngineConfig(block_size=4, num_kv_blocks=256, max_num_batched_tokens=budget,
-                       scheduling=policy, max_bypass=max_bypass)
+    cfg = EngineConfig(
+        block_size=4,
+        num_kv_blocks=256,
+        max_num_batched_tokens=budget,
+        scheduling=policy,
+        max_bypass=max_bypass,
+    )
     kv = KVCacheManager(256, 4, True)
     return Scheduler(cfg, kv), kv
 
