@@ -22,7 +22,7 @@ serve: $(STAMP)
 	$(BIN)/tutorserve chat
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests bench
 
 test: lint
 	$(BIN)/python -m pytest -q

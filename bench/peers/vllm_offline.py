@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
+
+log = logging.getLogger("vllm_offline")
 
 
 def _parse_args() -> argparse.Namespace:
@@ -109,7 +112,7 @@ def main() -> None:
             ]
             _run(engine, rotated, ignore_eos, f"warmup{w}")
         if args.enable_prefix_caching and not engine.reset_prefix_cache():
-            print("warning: prefix cache reset failed")
+            log.warning("prefix cache reset failed")
         elapsed, results = _run(engine, requests, ignore_eos, "run")
     finally:
         engine.engine_core.shutdown()
@@ -125,13 +128,17 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     n = len(results)
-    print(
-        f"{result['system']}: {n} requests, {elapsed:.2f} s, "
-        f"{result['output_tokens'] / elapsed:.1f} output tok/s, "
-        f"mean TTFT {sum(r['ttft_s'] for r in results) / n:.3f} s, "
-        f"mean TPOT {sum(r['tpot_s'] for r in results) / n * 1e3:.1f} ms"
+    log.info(
+        "%s: %d requests, %.2f s, %.1f output tok/s, mean TTFT %.3f s, mean TPOT %.1f ms",
+        result["system"],
+        n,
+        elapsed,
+        result["output_tokens"] / elapsed,
+        sum(r["ttft_s"] for r in results) / n,
+        sum(r["tpot_s"] for r in results) / n * 1e3,
     )
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     main()
