@@ -39,8 +39,9 @@ def reference_decode(attn, q, k_new, v_new, tables, lens):
 
 
 def slots_of(tables, lens):
-    return torch.tensor([t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens,
-                                                                              strict=True)])
+    return torch.tensor(
+        [t[(n - 1) // BS] * BS + (n - 1) % BS for t, n in zip(tables, lens, strict=True)]
+    )
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -48,15 +49,18 @@ def test_decode_with_shared_prefixes_matches_dense(share):
     attn = make_layer()
     prefix_a, prefix_b = [1, 2, 3, 4, 5, 6], [9, 10]
     tables = [
-        [*prefix_a, 20, 21], [*prefix_a, 22], [*prefix_a, 23, 24, 25],  # course A
-        [*prefix_b, 30], [*prefix_b, 31, 32],  # course B
+        [*prefix_a, 20, 21],
+        [*prefix_a, 22],
+        [*prefix_a, 23, 24, 25],  # course A
+        [*prefix_b, 30],
+        [*prefix_b, 31, 32],  # course B
         [40, 41, 42],  # a student alone
         [*prefix_a[:3], 50],  # these two share only part of course A's prefix:
         [*prefix_a[:3], 51, 52],  # they form their own group rather than shorten A's
         list(range(60, 74)),  # a long history of its own: bucketed apart, not padded to
     ]
     lens = [29, 26, 34, 10, 15, 9, 13, 18, 55]
-    batch = build_decode_batch(tables, lens, BS, torch.device("cpu"), share)
+    batch = build_decode_batch(tables, lens, BS, torch.device("cpu"), torch.float32, share)
     assert len(batch.buckets) > 1
     if share:
         assert batch.shared is not None
@@ -87,10 +91,18 @@ def test_prefill_chunk_after_cached_prefix_matches_dense():
     k, v = context_kv(attn, table, total)
     k[:, cached:], v[:, cached:] = k_new.transpose(0, 1), v_new.transpose(0, 1)
     mask = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]
-    ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-        enable_gqa=True,
-    ).squeeze(0).transpose(0, 1).reshape(new, -1)
+    ref = (
+        F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=mask,
+            enable_gqa=True,
+        )
+        .squeeze(0)
+        .transpose(0, 1)
+        .reshape(new, -1)
+    )
     pos = torch.arange(cached, total)
     slots = torch.tensor(table)[pos // BS] * BS + pos % BS
     chunk = PrefillChunk(0, new, total, torch.tensor(table), mask)

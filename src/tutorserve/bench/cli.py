@@ -45,9 +45,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--scheduling", default="cache-aware", choices=["cache-aware", "fcfs"])
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG results")
     p.set_defaults(func=cmd_offline)
+
+    p = bench.add_parser("profile-decode", help="torch.profiler table of decode steps")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rows", type=int, default=25, help="profiler table rows")
+    p.set_defaults(func=cmd_profile_decode)
 
 
 def cmd_offline(a: argparse.Namespace) -> int:
@@ -77,6 +85,7 @@ def cmd_offline(a: argparse.Namespace) -> int:
         kv_cache_bytes=int(a.kv_cache_gb * 2**30),
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
+        scheduling=a.scheduling,
     )
     results: dict[str, list[offline.SystemResult]] = {}
     peers = {"transformers", "vllm", "vllm-allcores"} & set(systems)
@@ -139,6 +148,13 @@ def cmd_offline(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile_decode(a: argparse.Namespace) -> int:
+    from tutorserve.bench.profile import profile_decode
+
+    print(profile_decode(a.model, a.dtype, a.steps, a.rows))
+    return 0
+
+
 def goals(results: dict) -> str:
     from tutorserve.bench.report import mean_extra, median_run, ratio
 
@@ -178,6 +194,6 @@ def _hf_dir(model: str, path: Path) -> str:
     if path.is_dir():
         return str(path)
     from tutorserve.bench.hf_export import export_gguf_to_hf
+    from tutorserve.bench.offline import cache_dir
 
-    cache = Path(os.environ.get("TUTORSERVE_CACHE", Path.home() / ".cache" / "tutorserve"))
-    return export_gguf_to_hf(str(path), str(cache / "hf" / model.replace("/", "_")))
+    return export_gguf_to_hf(str(path), str(cache_dir() / "hf" / model.replace("/", "_")))

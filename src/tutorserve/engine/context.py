@@ -31,7 +31,7 @@ class SharedPrefixGroups:
     then merged with each row's own suffix by log-sum-exp (cascade attention)."""
 
     tables: torch.Tensor  # [groups, max_prefix_blocks] shared prefix blocks, padded
-    mask: torch.Tensor | None  # [groups, 1, max_prefix_blocks * block_size]; None: no padding
+    bias: torch.Tensor | None  # [groups, 1, max_prefix_blocks * block_size]; None: no padding
     rows: torch.Tensor  # [groups, max_members] decode row of each member, padded with 0
     member_slots: torch.Tensor  # [grouped_rows] flat (group, member) index of each grouped row
     grouped_rows: torch.Tensor  # [grouped_rows] decode row index
@@ -44,7 +44,7 @@ class DecodeBucket:
 
     rows: torch.Tensor | None  # decode row indices; None = all rows, in order
     tables: torch.Tensor  # [rows, max_blocks] blocks after any shared prefix, padded
-    mask: torch.Tensor | None  # [rows, 1, max_blocks * block_size]; None: no padding
+    bias: torch.Tensor | None  # [rows, 1, max_blocks * block_size] additive; None: no padding
 
 
 @dataclass(slots=True)

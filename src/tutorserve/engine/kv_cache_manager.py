@@ -36,8 +36,7 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.pool.num_blocks - self.pool.num_free
 
-    def extend_hashes(self, seq: Sequence) -> None:
-        """Hash every full block of known tokens (prompt and output) not hashed yet."""
+    def _extend_hashes(self, seq: Sequence) -> None:
         bs = self.block_size
         hashes = seq.block_hashes
         while len(hashes) < seq.num_tokens // bs:
@@ -50,7 +49,7 @@ class KVCacheManager:
         since sampling needs the last position's logits)."""
         if not self.enable_prefix_caching:
             return []
-        self.extend_hashes(seq)
+        self._extend_hashes(seq)
         hits = []
         for block_hash in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
             block_id = self.pool.lookup(block_hash)
@@ -86,7 +85,7 @@ class KVCacheManager:
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_registered_blocks:
             return
-        self.extend_hashes(seq)
+        self._extend_hashes(seq)
         for i in range(seq.num_registered_blocks, full):
             self.pool.register(seq.block_table[i], seq.block_hashes[i])
         seq.num_registered_blocks = full

@@ -105,7 +105,9 @@ class ModelRunner:
             workspace=self.workspace,
         )
         if dec_lens:
-            ctx.decode = build_decode_batch(dec_tables, dec_lens, bs, dev, self.share_prefixes)
+            ctx.decode = build_decode_batch(
+                dec_tables, dec_lens, bs, dev, self.k_cache.dtype, self.share_prefixes
+            )
         return (
             torch.as_tensor(ids, device=dev),
             torch.as_tensor(np.concatenate(pos_parts), device=dev),

@@ -85,8 +85,9 @@ class Scheduler:
             seqs=[s for s, _ in picked], num_tokens=[n for _, n in picked], preempted=preempted
         )
 
-    def _candidates(self) -> list[tuple[Sequence, list[int]]]:
-        """Waiting requests in admission order, with their prefix-cache hits.
+    def _candidates(self) -> list[tuple[Sequence, list[int] | None]]:
+        """Waiting requests in admission order, with their prefix-cache hits where the order
+        needed them (None: look them up on admission).
 
         FCFS within a priority, or cache-aware: among the first few waiting requests of the best
         priority, longest cached prefix first (SGLang's LPM), so the students of a course whose
@@ -94,17 +95,18 @@ class Scheduler:
         `max_bypass` times goes first, which bounds how long anyone can be passed over.
         """
         window = self.waiting[:_LPM_WINDOW]
+        if self.config.scheduling == "fcfs":
+            return [(seq, None) for seq in window]
         ranked = [(seq, self.kv.match_prefix(seq)) for seq in window]
-        if self.config.scheduling == "cache-aware":
-            limit = self.config.max_bypass
-            ranked.sort(
-                key=lambda c: (
-                    c[0].priority,
-                    c[0].num_bypassed < limit,
-                    -len(c[1]),
-                    c[0].arrival_order,
-                )
+        limit = self.config.max_bypass
+        ranked.sort(
+            key=lambda c: (
+                c[0].priority,
+                c[0].num_bypassed < limit,
+                -len(c[1]),
+                c[0].arrival_order,
             )
+        )
         return ranked
 
     def _admit(self, picked: list[tuple[Sequence, int]], budget: int) -> int:
@@ -117,6 +119,8 @@ class Scheduler:
         i = 0
         while i < len(ranked) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq, hits = ranked[i]
+            if hits is None:
+                hits = self.kv.match_prefix(seq)
             if seq.num_bypassed < self.config.max_bypass and self._wait_for_prefix(
                 seq, hits, inflight
             ):
@@ -143,13 +147,13 @@ class Scheduler:
         return budget
 
     def _inflight_blocks(self) -> set[bytes]:
-        """Hashes of prompt blocks that running requests are still prefilling."""
+        """Hashes of prompt blocks that running requests are still prefilling (their prompts
+        were hashed when they were matched against the cache on admission)."""
         if self.config.scheduling == "fcfs" or not self.kv.enable_prefix_caching:
             return set()
         bs, out = self.kv.block_size, set()
         for seq in self.running:
             if seq.num_tokens - seq.num_computed_tokens > 1:
-                self.kv.extend_hashes(seq)
                 out.update(seq.block_hashes[seq.num_computed_tokens // bs :])
         return out
 

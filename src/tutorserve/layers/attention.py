@@ -92,7 +92,7 @@ class PagedAttention(nn.Module):
         k = self._gather(ctx, "k", self.k_cache, bucket.tables)
         v = self._gather(ctx, "v", self.v_cache, bucket.tables)
         qd = q.view(rows, kvh, self.group, dim).transpose(0, 1)  # [kv_heads, rows, group, dim]
-        o, lse = _attend(qd, k, v, bucket.mask, self.scale)
+        o, lse = _attend(qd, k, v, bucket.bias, self.scale)
         o = o.transpose(0, 1).reshape(rows, self.num_heads, dim)
         return o, lse.transpose(0, 1).reshape(rows, self.num_heads, 1)
 
@@ -113,7 +113,7 @@ class PagedAttention(nn.Module):
             qp = qp.permute(2, 0, 1, 3, 4).reshape(kvh, ng, members * g, dim)
             kp = self._gather(ctx, "kp", self.k_cache, sp.tables)
             vp = self._gather(ctx, "vp", self.v_cache, sp.tables)
-            op, lsep = _attend_many(qp, kp, vp, sp.mask, self.scale)
+            op, lsep = _attend_many(qp, kp, vp, sp.bias, self.scale)
             op = op.view(kvh, ng, members, g, dim).permute(1, 2, 0, 3, 4)
             lsep = lsep.view(kvh, ng, members, g, 1).permute(1, 2, 0, 3, 4)
             op = op.reshape(ng * members, self.num_heads, dim)[sp.member_slots]
@@ -126,14 +126,14 @@ class PagedAttention(nn.Module):
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention that also returns the log-sum-exp of the scores, for merging partial
-    results. q: [kvh, B, M, d]; k, v: [kvh, B, L, d]; mask: [B, 1, L] or None when every key
-    is valid → float32 outputs."""
+    results. q: [kvh, B, M, d]; k, v: [kvh, B, L, d]; bias: additive [B, 1, L] (-inf on
+    padding) or None when every key is valid → float32 outputs."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    if mask is not None:
-        scores.masked_fill_(mask.logical_not(), float("-inf"))
+    if bias is not None:
+        scores.add_(bias)
     peak = scores.amax(dim=-1, keepdim=True)
     probs = torch.exp(scores.sub_(peak))
     norm = probs.sum(dim=-1, keepdim=True)
@@ -142,27 +142,24 @@ def _attend(
 
 
 def _attend_many(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_attend` for many queries per key row (a course's students over its shared prompt).
     On CPU, PyTorch's fused flash-attention kernel also returns the log-sum-exp, and beats the
     unfused ops once a key row serves this many queries; elsewhere, the unfused path."""
-    if q.device.type != "cpu" or not hasattr(torch.ops.aten, _FLASH_CPU):
-        return _attend(q, k, v, mask, scale)
-    bias = None
-    if mask is not None:
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-        bias = bias.masked_fill_(mask.logical_not(), float("-inf")).unsqueeze(1)
-    out, lse = getattr(torch.ops.aten, _FLASH_CPU)(
+    if q.device.type != "cpu" or _FLASH_CPU is None:
+        return _attend(q, k, v, bias, scale)
+    out, lse = _FLASH_CPU(
         q.transpose(0, 1),
         k.transpose(0, 1),
         v.transpose(0, 1),
         0.0,
         False,
-        attn_mask=bias,
+        attn_mask=None if bias is None else bias.unsqueeze(1),
         scale=scale,
     )
     return out.transpose(0, 1).float(), lse.transpose(0, 1).unsqueeze(-1)
 
 
-_FLASH_CPU = "_scaled_dot_product_flash_attention_for_cpu"
+# PyTorch's CPU flash-attention op, which unlike F.scaled_dot_product_attention returns the LSE.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
