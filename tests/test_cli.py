@@ -81,3 +81,13 @@ def test_chat_streams_a_reply(synth_llama):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("tutor> ") == 2
+
+
+def test_serve_refuses_bad_options(synth_llama, live_server):
+    r = run("serve", "--model", "no-such-model")
+    assert r.returncode == 2 and "error: unknown model 'no-such-model'" in r.stderr
+    r = run("serve", "--model", synth_llama, "--max-waiting", "0")
+    assert r.returncode == 2 and "--max-waiting" in r.stderr
+    port = live_server.url.rsplit(":", 1)[1]
+    r = run("serve", "--model", synth_llama, "--num-kv-blocks", "64", "--port", port)
+    assert r.returncode != 0 and "address already in use" in r.stderr

@@ -365,7 +365,7 @@ def test_remove_waiting_and_running_requests_releases_blocks():
     sched.remove(a)  # abort while running
     assert not sched.has_unfinished()
     assert kv.num_free_blocks == 8
-    assert kv.pool.num_cached_free() == 2  # a's full blocks stay reusable
+    assert kv.pool.num_cached_free == 2  # a's full blocks stay reusable
     kv.pool.check_integrity()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -124,6 +125,42 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tutorserve.config import EngineConfig
+    from tutorserve.engine.engine import LLMEngine
+    from tutorserve.server.app import ServerSettings, build_app
+    from tutorserve.server.async_engine import AsyncEngine
+
+    if a.max_waiting < 1 or (a.max_requests_per_user is not None and a.max_requests_per_user < 1):
+        raise ValueError("--max-waiting and --max-requests-per-user must be at least 1")
+    if not 0 <= a.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    api_key = a.api_key or os.environ.get("TUTORSERVE_API_KEY") or None
+    engine = LLMEngine(EngineConfig.from_kwargs(model=a.model, **engine_options(a)))
+    server = AsyncEngine(
+        engine, max_waiting=a.max_waiting, max_requests_per_user=a.max_requests_per_user
+    )
+    settings = ServerSettings(
+        model_name=a.served_model_name or a.model,
+        api_key=api_key,
+        allowed_origins=a.allowed_origins,
+        max_body_bytes=a.max_body_bytes,
+    )
+    app = build_app(server, settings)
+    host = f"[{a.host}]" if ":" in a.host else a.host
+    log.info(
+        "serving %s at http://%s:%d/ (tutor page; OpenAI API under /v1)%s",
+        settings.model_name,
+        host,
+        a.port,
+        " — API key required" if api_key else "",
+    )
+    uvicorn.run(app, host=a.host, port=a.port, log_level="info" if a.verbose else "warning")
+    return 0
+
+
 def cmd_synth_model(a: argparse.Namespace) -> int:
     from tutorserve.models.synth import SynthSpec, synth_model
 
@@ -165,6 +202,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a tutor page at /")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key", default=None, help="require Bearer KEY on /v1/* (or TUTORSERVE_API_KEY)"
+    )
+    p.add_argument("--served-model-name", default=None, help="model id clients send")
+    p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it, 429")
+    p.add_argument(
+        "--max-requests-per-user",
+        type=int,
+        default=None,
+        help="concurrent requests one `user` may have; beyond it, 429",
+    )
+    p.add_argument(
+        "--allowed-origins", nargs="*", default=[], help="CORS origins (none unless given)"
+    )
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("synth-model", help="write a random-init HF checkpoint + tokenizer")
     p.add_argument("out")

@@ -24,6 +24,9 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.num_evictions = 0
+        # Kept as a count (not a scan of the free list) so /metrics can read it from another
+        # thread while the engine mutates the list.
+        self.num_cached_free = 0
 
     @property
     def num_blocks(self) -> int:
@@ -45,6 +48,7 @@ class BlockPool:
                     del self.cached[block.block_hash]
                 block.block_hash = None
                 self.num_evictions += 1
+                self.num_cached_free -= 1
             block.ref_count = 1
             ids.append(block_id)
         return ids
@@ -58,6 +62,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]
+                self.num_cached_free -= block.block_hash is not None
             block.ref_count += 1
 
     def release(self, block_ids: list[int]) -> None:
@@ -69,6 +74,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} released more often than taken")
             if block.ref_count == 0:
                 self.free[block_id] = None
+                self.num_cached_free += block.block_hash is not None
 
     def register(self, block_id: int, block_hash: bytes) -> None:
         """Publish a full, computed block under its chained hash."""
@@ -76,10 +82,8 @@ class BlockPool:
         if block.block_hash is not None:
             return
         block.block_hash = block_hash
+        self.num_cached_free += block.ref_count == 0
         self.cached.setdefault(block_hash, block_id)
-
-    def num_cached_free(self) -> int:
-        return sum(1 for b in self.free if self.blocks[b].block_hash is not None)
 
     def check_integrity(self) -> None:
         """Every block is either free (ref 0, in the free list) or held (ref > 0, not in it)."""
@@ -89,6 +93,11 @@ class BlockPool:
                 raise AssertionError(
                     f"block {block.block_id}: ref {block.ref_count}, free {in_free}"
                 )
+        cached_free = sum(1 for b in self.free if self.blocks[b].block_hash is not None)
+        if cached_free != self.num_cached_free:
+            raise AssertionError(
+                f"{cached_free} cached free blocks, counted {self.num_cached_free}"
+            )
         for block_hash, block_id in self.cached.items():
             if self.blocks[block_id].block_hash != block_hash:
                 raise AssertionError(f"cache map points {block_hash.hex()} at block {block_id}")

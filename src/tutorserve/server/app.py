@@ -1,0 +1,234 @@
+"""The HTTP server: routes, access control, body cap, and OpenAI-style errors for every failure."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from importlib.resources import files
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tutorserve.server.async_engine import AdmissionError, AsyncEngine, EngineDeadError
+from tutorserve.server.metrics import CONTENT_TYPE
+from tutorserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    error_body,
+)
+from tutorserve.server.serving import APIError, OpenAIServing
+
+log = logging.getLogger(__name__)
+_PAGE = files("tutorserve.server").joinpath("static/index.html").read_text("utf-8")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
+}
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    max_body_bytes: int = 4 << 20
+
+
+def _error(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status, headers=headers)
+
+
+class BodyLimit:
+    """413 for bodies over the cap, whether or not the client declares Content-Length.
+
+    The body is read here in full (it is small by construction) and replayed to the app; later
+    receives go to the server, so the app still hears about client disconnects.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(scope, receive, send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = _error(
+            413, f"request body is over {self.max_bytes} bytes", code="request_too_large"
+        )
+        await response(scope, receive, send)
+
+
+class ApiKeyAuth:
+    """`/v1/*` needs `Authorization: Bearer KEY`; the key is compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            given = auth[7:] if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(given, self.key):
+                response = _error(
+                    401,
+                    "missing or incorrect API key; send Authorization: Bearer <key>",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    # ("body", "messages", 0, "role") -> "messages.0.role"; drop pydantic's union-member tags.
+    parts = [
+        str(p)
+        for p in loc[1:]
+        if not (
+            isinstance(p, str)
+            and ("[" in p or p in {"str", "int", "float", "bool", "list", "function-after"})
+        )
+    ]
+    return ".".join(parts) or None
+
+
+def build_app(server: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    serving = OpenAIServing(server, settings.model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
+        await server.start()
+        yield
+        await server.stop()
+
+    # No /docs: Swagger UI loads its assets from a CDN, which a closed network cannot reach.
+    app = FastAPI(
+        title="tutorserve",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        description="OpenAI-compatible LLM server for tutoring.",
+    )
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyAuth, api_key=settings.api_key)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        if err.get("type") == "json_invalid":
+            return _error(
+                400,
+                f"request body is not valid JSON: {err.get('ctx', {}).get('error')}",
+                code="invalid_json",
+            )
+        param = _param(tuple(err.get("loc", ())))
+        msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+        message = f"{param}: {msg}" if param else f"request body: {msg}"
+        return _error(400, message, param=param, code="invalid_value")
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), exc.status)
+
+    @app.exception_handler(AdmissionError)
+    async def full(_: Request, exc: AdmissionError) -> JSONResponse:
+        return _error(
+            429,
+            str(exc),
+            "rate_limit_error",
+            code="server_busy",
+            headers={"Retry-After": str(exc.retry_after)},
+        )
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return _error(503, str(exc), "server_error", code="engine_unavailable")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+        """A chat reply; with `stream: true`, Server-Sent Events of `chat.completion.chunk`."""
+        return await serving.create(req, request)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        """A plain-text completion; with `stream: true`, Server-Sent Events."""
+        return await serving.create(req, request)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(
+            data=[ModelCard(id=settings.model_name, max_model_len=serving.max_model_len)]
+        )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not server.healthy:
+            return _error(503, "the engine loop is not running", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(_PAGE)
+
+    return app

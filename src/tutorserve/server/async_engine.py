@@ -1,0 +1,242 @@
+"""The engine's step loop on its own thread, bridged to asyncio, with admission control.
+
+HTTP handlers live on the event loop; the model forward must not, or one long prefill would stall
+every stream. One thread owns the `LLMEngine`: it takes new requests and aborts from an inbox
+under a lock, steps without the lock, and hands each step's outputs back to the loop in a single
+`call_soon_threadsafe`. Admission (waiting-queue cap, per-user cap) is decided on the loop before
+a request reaches the inbox, so a refused request costs nothing but its parse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass
+
+from tutorserve.engine.engine import LLMEngine
+from tutorserve.engine.outputs import RequestOutput
+from tutorserve.sampling_params import SamplingParams
+from tutorserve.server.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+
+class AdmissionError(Exception):
+    """The server is full for now (HTTP 429): the client should retry after `retry_after` s."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an internal error; requests in flight cannot finish."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+class RequestStream:
+    """Outputs of one request, in order; `close()` (or leaving `async with`) before the final
+    output aborts the request and frees its KV blocks."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, user: str | None) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._user = user
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._closed = False
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine._release(self)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting: int = 256,
+        max_requests_per_user: int | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        if max_waiting < 1:
+            raise ValueError("max_waiting must be at least 1")
+        if max_requests_per_user is not None and max_requests_per_user < 1:
+            raise ValueError("max_requests_per_user must be at least 1")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.max_requests_per_user = max_requests_per_user
+        self.metrics = metrics or EngineMetrics(self)
+        self._cond = threading.Condition()
+        self._adds: list[_Pending] = []
+        self._aborts: list[str] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._users: Counter[str] = Counter()
+        self._recent_latency = 1.0  # seconds; an EMA behind Retry-After
+        self.error: BaseException | None = None
+
+    # ---- lifecycle (called on the event loop) -------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    # ---- state read by /metrics and admission -------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        # len() of a list the engine thread mutates is an atomic snapshot under the GIL.
+        return len(self._adds) + len(self.engine.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    # ---- requests (called on the event loop) --------------------------------------------
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        user: str | None = None,
+    ) -> RequestStream:
+        """Queue a validated request, or raise AdmissionError if the server is full."""
+        if not self.healthy:
+            raise EngineDeadError("the engine is not running")
+        retry = max(1, round(self._recent_latency))
+        cap = self.max_requests_per_user
+        if user is not None and cap is not None and self._users[user] >= cap:
+            self.metrics.rejected.labels(reason="user_limit").inc()
+            raise AdmissionError(
+                f"user {user!r} already has {self._users[user]} requests in flight "
+                f"(the limit is {cap})",
+                retry,
+            )
+        with self._cond:
+            if self.num_waiting >= self.max_waiting:
+                self.metrics.rejected.labels(reason="queue_full").inc()
+                raise AdmissionError(
+                    f"the server is at capacity ({self.num_waiting} requests waiting)", retry
+                )
+            stream = RequestStream(self, request_id, user)
+            self._streams[request_id] = stream
+            if user is not None:
+                self._users[user] += 1
+            self._adds.append(_Pending(request_id, prompt_ids, params, priority))
+            self._cond.notify()
+        return stream
+
+    def _release(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.request_id, None)
+        if stream._user is not None:
+            self._users[stream._user] -= 1
+            if self._users[stream._user] <= 0:
+                del self._users[stream._user]
+        if stream.finished:
+            return
+        with self._cond:
+            queued = next((p for p in self._adds if p.request_id == stream.request_id), None)
+            if queued is not None:
+                self._adds.remove(queued)
+            else:
+                self._aborts.append(stream.request_id)
+                self._cond.notify()
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._cond:
+                    while not (
+                        self._stopping or self._adds or self._aborts or engine.has_unfinished()
+                    ):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                    # Inside the lock so a request is always counted as waiting somewhere.
+                    refused = [(p.request_id, e) for p in adds if (e := self._add(p))]
+                outputs = [out for rid in aborts if (out := engine.abort_request(rid))]
+                outputs += engine.step()
+                if outputs or refused:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs, refused)
+        except BaseException as e:
+            log.exception("engine loop stopped")
+            self.error = e
+            self._loop.call_soon_threadsafe(
+                self._fail_all, EngineDeadError(f"engine loop stopped: {e!r}")
+            )
+
+    def _add(self, p: _Pending) -> ValueError | None:
+        try:
+            self.engine.add_request(p.request_id, p.prompt_ids, p.params, priority=p.priority)
+        except ValueError as e:  # validated on the loop already; kept so one request can't kill
+            return e
+        return None
+
+    def _dispatch(
+        self, outputs: list[RequestOutput], refused: list[tuple[str, ValueError]]
+    ) -> None:
+        for request_id, error in refused:
+            if (stream := self._streams.get(request_id)) is not None:
+                stream._queue.put_nowait(error)
+        for out in outputs:
+            if out.finished:
+                self.metrics.observe_finished(out)
+                if (e2e := out.metrics.e2e_latency) is not None:
+                    self._recent_latency = 0.9 * self._recent_latency + 0.1 * e2e
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream._queue.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream._queue.put_nowait(error)

@@ -1,0 +1,135 @@
+"""Prometheus metrics, named after vLLM's (`vllm:` → `tutorserve:`) so dashboards carry over.
+
+Engine state (queues, KV blocks, prefix-cache counters) is read at scrape time by a collector,
+so the step loop pays nothing for it; per-request histograms are observed when a request ends.
+Each server owns its registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tutorserve.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from tutorserve.server.async_engine import AsyncEngine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_P = "tutorserve:"
+# Seconds; CPU serving is slow, so the buckets reach further than vLLM's GPU-minded ones.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+
+
+class _EngineStateCollector(Collector):
+    def __init__(self, server: AsyncEngine) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.server
+        kv = s.engine.kv
+        pool = kv.pool
+        yield GaugeMetricFamily(
+            _P + "num_requests_running", "Requests in the running batch.", value=s.num_running
+        )
+        yield GaugeMetricFamily(
+            _P + "num_requests_waiting",
+            "Accepted requests waiting to be scheduled.",
+            value=s.num_waiting,
+        )
+        blocks = GaugeMetricFamily(
+            _P + "kv_cache_blocks",
+            "KV cache blocks by state: used (held by a request), cached (free but keeping a "
+            "prefix for reuse), empty.",
+            labels=["state"],
+        )
+        cached_free = pool.num_cached_free
+        blocks.add_metric(["used"], kv.num_used_blocks)
+        blocks.add_metric(["cached"], cached_free)
+        blocks.add_metric(["empty"], pool.num_free - cached_free)
+        yield blocks
+        yield GaugeMetricFamily(
+            _P + "kv_cache_usage_perc",
+            "Fraction of KV cache blocks held by requests.",
+            value=kv.num_used_blocks / pool.num_blocks,
+        )
+        yield CounterMetricFamily(
+            _P + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            value=kv.prefix_query_tokens,
+        )
+        yield CounterMetricFamily(
+            _P + "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            value=kv.prefix_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            _P + "num_preemptions",
+            "Requests preempted to free KV blocks.",
+            value=s.engine.scheduler.num_preemptions,
+        )
+
+
+class EngineMetrics:
+    def __init__(self, server: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStateCollector(server))
+        r = self.registry
+        self.ttft = Histogram(
+            _P + "time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            _P + "time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            _P + "e2e_request_latency_seconds",
+            "Arrival to last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            _P + "prompt_tokens", "Prompt tokens of ended requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            _P + "generation_tokens", "Generated tokens of ended requests.", registry=r
+        )
+        self.finished = Counter(
+            _P + "request_success",
+            "Ended requests by finish reason (abort: the client left).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            _P + "request_rejected",
+            "Requests refused with 429 by admission control.",
+            ["reason"],
+            registry=r,
+        )
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        self.finished.labels(finished_reason=out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(m.num_output_tokens)
+        if out.finish_reason == "abort":
+            return  # a client leaving early says nothing about latency
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
