@@ -326,3 +326,24 @@ def test_client_leaving_a_non_streaming_request_aborts_it(live_server):
     aborted = "tutorserve:request_success_total{finished_reason=abort}"
     assert after[aborted] - before.get(aborted, 0) == 1
     assert after["tutorserve:kv_cache_blocks{state=used}"] == 0
+
+
+def test_metrics_count_one_request(live_server, offline):
+    before = live_server.metrics()
+    ids = offline.tokenizer.encode("Metrics, please: what is a prime number?")
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 5, **NO_EOS}
+    assert httpx.post(live_server.url + COMPLETIONS_PATH, json=body).status_code == 200
+    after = _wait_idle(live_server)
+
+    def delta(name):
+        return after[name] - before.get(name, 0)
+
+    assert delta("tutorserve:prompt_tokens_total") == len(ids)
+    assert delta("tutorserve:generation_tokens_total") == 5
+    assert delta("tutorserve:prefix_cache_queries_total") == len(ids)
+    assert delta("tutorserve:request_success_total{finished_reason=length}") == 1
+    for hist in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
+        assert delta(f"tutorserve:{hist}_seconds_count") == 1
+        assert delta(f"tutorserve:{hist}_seconds_sum") > 0
+    assert after["tutorserve:kv_cache_usage_perc"] == 0
+    assert after["tutorserve:kv_cache_blocks{state=cached}"] >= len(ids) // 16
