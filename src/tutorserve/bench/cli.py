@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from tutorserve.bench.systems import SYSTEMS
 from tutorserve.models.registry import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,35 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG results")
     p.set_defaults(func=cmd_offline)
+
+    p = bench.add_parser("serve", help="a workload against a running OpenAI-compatible server")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="the model id the server expects")
+    add_workload_args(p)
+    p.add_argument("--out", default=None, help="write the result JSON here")
+    p.set_defaults(func=cmd_serve)
+
+    p = bench.add_parser("compare", help="every available system on one workload, one by one")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="served by every system")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--request-rates", default="0.5,1,2", help="comma-separated, req/s")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="server batch limit, every system")
+    p.add_argument("--port", type=int, default=8500)
+    add_workload_args(p)
+    p.add_argument("--out", default="bench-results/serving")
+    p.set_defaults(func=cmd_compare)
+
+    p = bench.add_parser("report", help="markdown table and plots from bench result JSON files")
+    p.add_argument("results", nargs="+")
+    p.add_argument("--out", default=None, help="PNG path for the plots")
+    p.add_argument("--title", default="serving benchmark")
+    p.set_defaults(func=cmd_report)
+
+    p = bench.add_parser("roofline", help="this machine's decode upper bound for a model")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--context", type=int, default=1500, help="KV tokens per sequence")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.set_defaults(func=cmd_roofline)
 
     p = bench.add_parser("profile-decode", help="torch.profiler table of decode steps")
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -123,7 +153,7 @@ def cmd_offline(a: argparse.Namespace) -> int:
     meta = {
         "command": " ".join(["tutorserve", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "machine": _machine(),
         "workload": shape
         | {
             "requests": len(runs[0]),
@@ -145,6 +175,176 @@ def cmd_offline(a: argparse.Namespace) -> int:
     print()
     print(goals(results))
     print(f"\nresults: {out / 'offline.json'}, plot: {out / 'offline.png'}")
+    return 0
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    from tutorserve.bench.arrivals import ARRIVALS
+    from tutorserve.bench.workloads import WORKLOADS
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="edu-shared-prefix", choices=WORKLOADS)
+    g.add_argument(
+        "--tokenizer",
+        default=DEFAULT_MODEL,
+        help="model whose tokenizer and chat template render and count the prompts",
+    )
+    g.add_argument("--num-requests", type=int, default=128)
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests (sessions, for multi-turn) per second; inf = all at once",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="Gamma shape of inter-arrival times: 1 = Poisson, < 1 burstier",
+    )
+    g.add_argument(
+        "--arrival",
+        default="gamma",
+        choices=ARRIVALS,
+        help="gamma renewal process, or ramp: an evening peak at mid-run",
+    )
+    g.add_argument("--max-concurrency", type=int, default=None)
+    g.add_argument("--slo-ttft-ms", type=float, default=None)
+    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--api-key", default=None)
+
+
+def workload_kwargs(a: argparse.Namespace) -> dict:
+    from tutorserve.bench.serving_metrics import SLO
+
+    if a.num_requests < 1 or a.request_rate <= 0 or a.burstiness <= 0:
+        raise ValueError("--num-requests, --request-rate and --burstiness must be positive")
+    if a.max_concurrency is not None and a.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    return dict(
+        workload=a.workload,
+        num_requests=a.num_requests,
+        request_rate=a.request_rate,
+        burstiness=a.burstiness,
+        arrival=a.arrival,
+        slo=SLO(a.slo_ttft_ms, a.slo_tpot_ms),
+        seed=a.seed,
+    )
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from tutorserve.bench.client import ClientConfig
+    from tutorserve.bench.report import serving_table
+    from tutorserve.bench.serving import run_benchmark
+    from tutorserve.models.loader import load_tokenizer
+
+    kwargs = workload_kwargs(a)
+    cfg = ClientConfig(a.base_url.rstrip("/"), a.model, a.api_key, a.max_concurrency)
+    result = run_benchmark(cfg, load_tokenizer(a.tokenizer), **kwargs)
+    result["config"]["command"] = " ".join(["tutorserve", *sys.argv[1:]])
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    print(serving_table([result]))
+    if result["summary"].get("errors"):
+        log.warning("%d requests failed", result["summary"]["errors"])
+    return 0
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    from tutorserve.bench.compare import run_compare
+    from tutorserve.bench.systems import ModelFiles
+    from tutorserve.models.loader import load_tokenizer
+    from tutorserve.models.registry import resolve
+
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    if unknown := set(systems) - set(SYSTEMS):
+        raise ValueError(f"unknown system(s): {', '.join(sorted(unknown))}")
+    rates = [float(r) for r in a.request_rates.split(",")]
+    kwargs = workload_kwargs(a)
+    kwargs.pop("request_rate")
+    path = resolve(a.model)
+    files = ModelFiles(a.model, str(path), _hf_dir(a.model, path))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_compare(
+        systems, files, load_tokenizer(a.tokenizer), rates, out, port=a.port,
+        max_num_seqs=a.max_num_seqs, max_concurrency=a.max_concurrency, **kwargs,
+    )  # fmt: skip
+    if not results:
+        raise ValueError("no system could run; see the warnings above")
+    command = " ".join(["tutorserve", *sys.argv[1:]])
+    print(_write_report(results, out / f"{a.workload}.png", f"{a.workload}, {a.model}", command))
+    print()
+    print("\n".join(_roofline(a.model, results)))
+    return 0
+
+
+def _roofline(model: str, results: list[dict]) -> list[str]:
+    from tutorserve.bench.report import roofline_lines
+    from tutorserve.bench.roofline import decode_bound, measure_machine
+    from tutorserve.models.loader import load_model_config
+
+    cfg, m = load_model_config(model), measure_machine()
+    head = (
+        f"roofline: read {m.bandwidth_gbs:.1f} GB/s, bf16 matmul {m.bf16_gflops:.0f} GFLOP/s; "
+        f"decode bound at batch 1: {decode_bound(cfg, m, 1, 1500):.0f} tok/s"
+    )
+    return [head, *roofline_lines(results, lambda b, ctx: decode_bound(cfg, m, b, ctx))]
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    results = []
+    for name in a.results:
+        try:
+            results.append(json.loads(Path(name).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read {name}: {e}") from e
+        if not {"config", "summary", "records"} <= set(results[-1]):
+            raise ValueError(f"{name} is not a bench result file")
+    png = Path(a.out) if a.out else Path(a.results[0]).with_suffix(".png")
+    print(_write_report(results, png, a.title, None))
+    return 0
+
+
+def _write_report(results: list[dict], png: Path, title: str, command: str | None) -> str:
+    from tutorserve.bench.report import goodput_ratios, serving_plots, serving_table
+
+    serving_plots(results, png, title)
+    c = results[0]["config"]
+    lines = [
+        f"date: {c['date']}; machine: {_machine()}",
+        *([f"command: `{command}`"] if command else []),
+        f"SLOs: TTFT ≤ {c['slo_ttft_ms']} ms, TPOT ≤ {c['slo_tpot_ms']} ms",
+        "",
+        serving_table(results),
+        "",
+        *goodput_ratios(results),
+        "",
+        f"plots: {png}",
+    ]
+    return "\n".join(lines)
+
+
+def _machine() -> str:
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def cmd_roofline(a: argparse.Namespace) -> int:
+    from tutorserve.bench.roofline import decode_bound, measure_machine, num_params
+    from tutorserve.models.loader import load_model_config
+
+    cfg = load_model_config(a.model)
+    m = measure_machine()
+    print(f"{a.model}: {num_params(cfg) / 1e6:.1f} M parameters, bf16 weights and KV")
+    print(
+        f"machine: {_machine()}; read {m.bandwidth_gbs:.1f} GB/s, bf16 matmul "
+        f"{m.bf16_gflops:.0f} GFLOP/s"
+    )
+    print(f"| batch | decode bound tok/s at {a.context} context tokens |\n|---|---|")
+    for b in (int(x) for x in a.batches.split(",")):
+        print(f"| {b} | {decode_bound(cfg, m, b, a.context):.0f} |")
     return 0
 
 

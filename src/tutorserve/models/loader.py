@@ -71,3 +71,11 @@ def load_tokenizer(model: str) -> Tokenizer:
     if path.suffix == ".gguf":
         return GGUFModel(path).tokenizer()
     return _hf_dir(path)[2]
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """The architecture alone, without reading the weights."""
+    path = resolve(model)
+    if path.suffix == ".gguf":
+        return GGUFModel(path).config
+    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))

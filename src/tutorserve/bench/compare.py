@@ -1,0 +1,61 @@
+"""`tutorserve bench compare`: every available system, one after another, on one workload.
+
+Each system gets its own fresh server, a warm-up (other course prompts, so its prefix cache is not
+flattered), then one run per request rate; the seed of each rate is the same for every system, so
+all of them see identical requests on an identical schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tutorserve.bench.client import ClientConfig
+from tutorserve.bench.serving import run_benchmark
+from tutorserve.bench.systems import ModelFiles, RunningServer, make_system
+from tutorserve.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+_WARMUP_REQUESTS = 8
+_WARMUP_SEED = 10_000
+
+
+def run_compare(
+    systems: list[str],
+    files: ModelFiles,
+    tok: Tokenizer,
+    rates: list[float],
+    out: Path,
+    *,
+    port: int = 8500,
+    max_num_seqs: int = 32,
+    max_concurrency: int | None = None,
+    **workload: Any,
+) -> list[dict]:
+    results = []
+    for name in systems:
+        system = make_system(name, files, port, max_num_seqs)
+        if system.missing:
+            log.warning("skipping %s: not installed (%s)", name, system.missing)
+            continue
+        log.info("benchmarking %s", name)
+        try:
+            with RunningServer(system, port, out / "logs" / f"{name}.log") as server:
+                cfg = ClientConfig(server.url, files.name, max_concurrency=max_concurrency)
+                warm = workload | {"num_requests": _WARMUP_REQUESTS, "seed": _WARMUP_SEED}
+                run_benchmark(replace(cfg, max_concurrency=4), tok, request_rate=math.inf, **warm)
+                for k, rate in enumerate(rates):
+                    # A fresh cohort per rate, or later rates would hit earlier rates' prompts.
+                    cohort = workload | {"seed": workload["seed"] + k}
+                    result = run_benchmark(cfg, tok, request_rate=rate, **cohort)
+                    result["config"] |= {"system": name, "argv": system.argv, "env": system.env}
+                    path = out / f"{workload['workload']}-{name}-rate{rate:g}.json"
+                    path.write_text(json.dumps(result, indent=1))
+                    results.append(result)
+        except RuntimeError as e:
+            log.error("%s failed: %s", name, e)
+    return results

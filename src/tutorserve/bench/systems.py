@@ -1,0 +1,144 @@
+"""The servers `bench compare` runs, one at a time on 127.0.0.1, each on the same model.
+
+Ours serves the GGUF directly; vLLM and transformers load a HF export of it (bf16); llama.cpp's
+`llama-server` serves the GGUF file itself (Q4_1, so it computes on 4-bit weights) and a bf16 GGUF
+converted from the HF export, for a like-for-like row. Peers live in their own venvs or build
+folders under the cache directory, installed by the scripts in `bench/peers/`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tutorserve.bench.offline import PEERS_DIR, cache_dir, vllm_python
+
+log = logging.getLogger(__name__)
+SYSTEMS = (
+    "tutorserve",
+    "vllm",
+    "vllm-allcores",
+    "llama-server",
+    "llama-server-bf16",
+    "transformers",
+    "transformers-batch8",
+)
+_VLLM_ALL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+@dataclass(slots=True)
+class System:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    missing: str | None = None  # why it cannot run here (and how to install it)
+    startup_timeout_s: float = 300.0
+
+
+@dataclass(slots=True)
+class ModelFiles:
+    name: str  # the id every server is told to answer to
+    gguf: str  # the registered GGUF (our default model ships as Q4_1)
+    hf_dir: str  # HF export of the same weights (vLLM, transformers, the bf16 GGUF)
+
+
+def llama_server_bin() -> Path:
+    return cache_dir() / "peers" / "llama.cpp" / "bin" / "llama-server"
+
+
+def bf16_gguf(model: str) -> Path:
+    return cache_dir() / "peers" / "llama.cpp" / f"{model.replace('/', '_')}-bf16.gguf"
+
+
+def make_system(name: str, files: ModelFiles, port: int, max_num_seqs: int) -> System:
+    """The command line that serves `files` as `name` on 127.0.0.1:`port`."""
+    common = ["--host", "127.0.0.1", "--port", str(port)]
+    n = str(max_num_seqs)
+    if name == "tutorserve":
+        argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--model", files.gguf,
+                "--served-model-name", files.name, "--dtype", "bfloat16", "--max-num-seqs", n,
+                "--max-waiting", "100000", *common]  # fmt: skip
+        return System(name, argv)
+    if name in ("vllm", "vllm-allcores"):
+        py = vllm_python()
+        argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", files.hf_dir,
+                "--served-model-name", files.name, "--dtype", "bfloat16", "--max-model-len",
+                "8192", "--enable-prefix-caching", "--max-num-seqs", n, *common]  # fmt: skip
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        if name == "vllm-allcores":
+            env |= _VLLM_ALL_CORES
+        missing = None if py.exists() else f"run {PEERS_DIR / 'install_vllm_cpu.sh'}"
+        return System(name, argv, env, missing)
+    if name in ("llama-server", "llama-server-bf16"):
+        binary = llama_server_bin()
+        gguf = files.gguf if name == "llama-server" else str(bf16_gguf(files.name))
+        # The context is split evenly across slots: 8k tokens each.
+        argv = [str(binary), "-m", gguf, "-a", files.name, "-t", "2", "-c",
+                str(8192 * max_num_seqs), "-np", n, "--no-webui", "--metrics", *common]  # fmt: skip
+        missing = None
+        if not binary.exists():
+            missing = f"run {PEERS_DIR / 'install_llama_server.sh'}"
+        elif not Path(gguf).exists():
+            missing = f"make {gguf} with {PEERS_DIR / 'llama_bf16_gguf.sh'}"
+        return System(name, argv, missing=missing)
+    if name in ("transformers", "transformers-batch8"):
+        batch = "1" if name == "transformers" else "8"
+        argv = [sys.executable, str(PEERS_DIR / "transformers_server.py"), "--model",
+                files.hf_dir, "--served-model-name", files.name, "--dtype", "bfloat16",
+                "--batch-size", batch, *common]  # fmt: skip
+        return System(name, argv)
+    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+
+
+class RunningServer:
+    """Start a system's server, wait until `/v1/models` answers, and stop it (whole process
+    group: vLLM forks its engine core) on exit."""
+
+    def __init__(self, system: System, port: int, log_path: Path) -> None:
+        self.system = system
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> RunningServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                self.system.argv, stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, **self.system.env}, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + self.system.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{self.system.name} exited at start-up:\n{tail}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    log.info("%s is up at %s", self.system.name, self.url)
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.__exit__()
+        raise RuntimeError(f"{self.system.name} not ready after {self.system.startup_timeout_s} s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+            except ProcessLookupError:
+                return
