@@ -218,6 +218,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def workload_kwargs(a: argparse.Namespace) -> dict:
     from tutorserve.bench.serving_metrics import SLO
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+
     if a.num_requests < 1 or a.request_rate <= 0 or a.burstiness <= 0:
         raise ValueError("--num-requests, --request-rate and --burstiness must be positive")
     if a.max_concurrency is not None and a.max_concurrency < 1:
