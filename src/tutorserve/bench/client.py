@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from tutorserve.bench.serving_metrics import RequestRecord
@@ -132,17 +133,14 @@ def scrape_prefix_cache(base_url: str) -> tuple[float, float] | None:
     vLLM's both name them `*prefix_cache_queries_total` / `*prefix_cache_hits_total`)."""
     try:
         text = httpx.get(base_url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    except (httpx.HTTPError, ValueError):
         return None
     found: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, _, value = line.rpartition(" ")
-        name = name.split("{")[0]
+    for sample in samples:
         for key in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
-            if name.endswith(key):
-                found[key] = found.get(key, 0.0) + float(value)
+            if sample.name.endswith(key):
+                found[key] = found.get(key, 0.0) + sample.value
     if len(found) < 2:
         return None
     return found["prefix_cache_queries_total"], found["prefix_cache_hits_total"]

@@ -112,13 +112,15 @@ class LLMEngine:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(ids)} tokens; the context length is {self.max_model_len} "
-                "and at least one token must be generated"
+                f"prompt has {len(ids)} tokens; the maximum context length is "
+                f"{self.max_model_len} and at least one token must be generated"
             )
         vocab = self.model.config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"prompt token ids must lie in [0, {vocab}): {bad} is outside the vocabulary"
+            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.get(request_id)

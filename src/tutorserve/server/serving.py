@@ -91,22 +91,15 @@ class OpenAIServing:
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         self._check_model(req.model)
         ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
-        vocab = self.server.engine.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
         return self._checked(ids, "prompt")
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
-        if not ids:
-            raise APIError(400, "the prompt is empty", param=param)
-        if len(ids) >= self.max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens, "
-                f"but the prompt has {len(ids)} tokens and at least one must be generated.",
-                param=param,
-                code="context_length_exceeded",
-            )
+        """The engine's own prompt check, as a 400 naming the field."""
+        try:
+            self.server.engine.check_prompt(ids)
+        except ValueError as e:
+            code = "context_length_exceeded" if len(ids) >= self.max_model_len else None
+            raise APIError(400, str(e), param=param, code=code) from e
         return ids
 
     def sampling_params(
