@@ -14,6 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tutorserve.models.synth import SynthSpec, synth_model
 
+# CLI subprocesses default to a disk tier under ~/.cache; tests keep theirs in a temporary folder.
+os.environ["TUTORSERVE_KV_DIR"] = tempfile.mkdtemp(prefix="tutorserve-kv-")
+
 
 @pytest.fixture(scope="session")
 def synth_llama(tmp_path_factory):
@@ -114,9 +117,9 @@ def start_server(model: str, *args: str, env: dict[str, str] | None = None) -> L
         *args,
     ]
     log = tempfile.TemporaryFile()  # noqa: SIM115 (the server outlives this function)
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-    )
+    # Each server gets its own disk tier unless the test names one (a restart test does).
+    env = {"TUTORSERVE_KV_DIR": tempfile.mkdtemp(prefix="kv-"), **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
     server = LiveServer(f"http://127.0.0.1:{port}", "tiny", proc)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

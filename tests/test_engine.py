@@ -68,7 +68,8 @@ def test_chunked_prefill_mixes_with_decode(synth_llama, mixed_prompts, reference
 
 
 def test_prefix_cache_hits_reported_and_evicted_lru(synth_llama):
-    llm = LLM(synth_llama, dtype="float32", num_kv_blocks=16, max_model_len=256)
+    # The pool alone: with a RAM tier the evicted prefix would come back (test_kv_tiers.py).
+    llm = LLM(synth_llama, dtype="float32", num_kv_blocks=16, max_model_len=256, kv_ram_bytes=0)
     shared = list(range(10, 74))  # 4 full blocks
     a = llm.generate([[*shared, 5]], GREEDY)[0]
     b = llm.generate([[*shared, 6, 7]], GREEDY)[0]

@@ -34,6 +34,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None)
+    g = p.add_argument_group("KV tiers (0 turns a tier off)")
+    g.add_argument("--kv-ram-gb", type=float, default=2.0, help="host-RAM tier budget in GiB")
+    g.add_argument("--kv-disk-gb", type=float, default=4.0, help="disk tier budget in GiB")
+    g.add_argument(
+        "--kv-disk-dir",
+        default=os.environ.get("TUTORSERVE_KV_DIR", "~/.cache/tutorserve/kv"),
+        help="disk tier folder, kept across restarts (env TUTORSERVE_KV_DIR)",
+    )
+    g.add_argument(
+        "--session-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a session's KV is kept ahead of other cached KV",
+    )
 
 
 def engine_options(a: argparse.Namespace) -> dict[str, Any]:
@@ -50,6 +64,10 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
         "scheduling": a.scheduling,
         "seed": a.seed,
         "num_threads": a.num_threads,
+        "kv_ram_bytes": int(a.kv_ram_gb * 2**30),
+        "kv_disk_bytes": int(a.kv_disk_gb * 2**30),
+        "kv_disk_dir": a.kv_disk_dir,
+        "session_ttl": a.session_ttl,
     }
 
 

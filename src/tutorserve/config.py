@@ -25,6 +25,12 @@ class EngineConfig:
     max_bypass: int = 32
     seed: int = 0
     num_threads: int | None = None
+    # KV tiers below the pool (0 turns a tier off). The disk tier outlives the process; the
+    # offline API leaves it off by default, the CLI turns it on.
+    kv_ram_bytes: int = 2 << 30
+    kv_disk_bytes: int = 0
+    kv_disk_dir: str = "~/.cache/tutorserve/kv"
+    session_ttl: float = 3600.0  # seconds a session's blocks are kept ahead of other cached KV
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -47,6 +53,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.scheduling not in ("fcfs", "cache-aware"):
             raise ValueError(f"scheduling must be fcfs or cache-aware, got {self.scheduling!r}")
+        if self.kv_ram_bytes < 0 or self.kv_disk_bytes < 0:
+            raise ValueError("kv_ram_bytes and kv_disk_bytes must be >= 0 (0 turns a tier off)")
+        if self.session_ttl <= 0:
+            raise ValueError("session_ttl must be positive")
         if self.max_bypass < 0:
             raise ValueError("max_bypass must be >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -63,6 +63,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--request-rates", default="0.5,1,2", help="comma-separated, req/s")
     p.add_argument("--max-num-seqs", type=int, default=32, help="server batch limit, every system")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool, every system")
     p.add_argument("--port", type=int, default=8500)
     add_workload_args(p)
     p.add_argument("--out", default="bench-results/serving")
@@ -73,6 +74,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="PNG path for the plots")
     p.add_argument("--title", default="serving benchmark")
     p.set_defaults(func=cmd_report)
+
+    p = bench.add_parser("kv-restore", help="TTFT: history recomputed vs restored from RAM/disk")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument(
+        "--synth-large",
+        action="store_true",
+        help="also a random-init 16-layer, 1024-wide llama (~200 M parameters)",
+    )
+    p.add_argument("--lengths", default="2048,4096", help="history tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--out", default="bench-results/kv-tiers", help="folder for JSON and PNG")
+    p.set_defaults(func=cmd_kv_restore)
 
     p = bench.add_parser("roofline", help="this machine's decode upper bound for a model")
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -272,7 +286,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = run_compare(
         systems, files, load_tokenizer(a.tokenizer), rates, out, port=a.port,
-        max_num_seqs=a.max_num_seqs, max_concurrency=a.max_concurrency, **kwargs,
+        max_num_seqs=a.max_num_seqs, kv_cache_gb=a.kv_cache_gb,
+        max_concurrency=a.max_concurrency, **kwargs,
     )  # fmt: skip
     if not results:
         raise ValueError("no system could run; see the warnings above")
@@ -331,6 +346,34 @@ def _write_report(results: list[dict], png: Path, title: str, command: str | Non
 
 def _machine() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def cmd_kv_restore(a: argparse.Namespace) -> int:
+    import tempfile
+
+    from tutorserve.bench.kv_restore import as_json, restore_plot, restore_table, run_restore
+    from tutorserve.models.synth import SynthSpec, synth_model
+
+    lengths = [int(n) for n in a.lengths.split(",")]
+    if a.repeats < 1 or not lengths or min(lengths) < 16:
+        raise ValueError("--repeats must be >= 1 and every length >= 16 tokens")
+    opts = dict(dtype=a.dtype, kv_ram_bytes=4 << 30, kv_disk_bytes=8 << 30)
+    opts["max_model_len"] = max(lengths) + 64
+    results = run_restore(a.model, lengths, a.repeats, opts)
+    if a.synth_large:
+        spec = SynthSpec(layers=16, hidden=1024, heads=16, kv_heads=4, vocab=4096,
+                         max_position_embeddings=max(lengths) + 64)  # fmt: skip
+        with tempfile.TemporaryDirectory() as d:
+            path = str(synth_model(d, spec))
+            results += run_restore(path, lengths, a.repeats, opts, label="synth-200M")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kv-restore.json").write_text(json.dumps(as_json(results), indent=1))
+    restore_plot(results, out / "kv-restore.png")
+    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
+    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+    print(restore_table(results))
+    return 0
 
 
 def cmd_roofline(a: argparse.Namespace) -> int:

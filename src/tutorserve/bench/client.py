@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import httpx
@@ -45,6 +46,7 @@ async def run_sessions(
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     bar = tqdm(total=sum(len(s.turns) for s in sessions), desc="requests", unit="req")
+    run_id = uuid.uuid4().hex[:8]
     async with httpx.AsyncClient(
         base_url=cfg.base_url, headers=headers, timeout=cfg.timeout_s, limits=limits
     ) as client:
@@ -60,7 +62,11 @@ async def run_sessions(
                 n_prompt = len(tok.encode(prompt, add_special_tokens=False))
                 async with gate:
                     rec = RequestRecord(i, k, n_prompt, time.perf_counter() - t0)
-                    text = await _send(client, cfg.model, prompt, turn.max_tokens, rec, t0, tok)
+                    # Multi-turn sessions say who they are, so the server can keep their KV.
+                    sid = f"bench-{run_id}-{i}" if len(s.turns) > 1 else None
+                    text = await _send(
+                        client, cfg.model, prompt, turn.max_tokens, rec, t0, tok, sid
+                    )
                 records.append(rec)
                 bar.update(1)
                 if rec.error is not None:
@@ -85,6 +91,7 @@ async def _send(
     rec: RequestRecord,
     t0: float,
     tok: Tokenizer,
+    session_id: str | None = None,
 ) -> str:
     body = {
         "model": model,
@@ -97,7 +104,8 @@ async def _send(
     }
     pieces: list[str] = []
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
+        headers = {"X-Session-Id": session_id} if session_id else None
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                 return ""

@@ -33,12 +33,13 @@ def run_compare(
     *,
     port: int = 8500,
     max_num_seqs: int = 32,
+    kv_cache_gb: float = 1.0,
     max_concurrency: int | None = None,
     **workload: Any,
 ) -> list[dict]:
     results = []
     for name in systems:
-        system = make_system(name, files, port, max_num_seqs)
+        system = make_system(name, files, port, max_num_seqs, kv_cache_gb)
         if system.missing:
             log.warning("skipping %s: not installed (%s)", name, system.missing)
             continue

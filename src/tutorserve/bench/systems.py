@@ -9,10 +9,12 @@ folders under the cache directory, installed by the scripts in `bench/peers/`.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from tutorserve.bench.offline import PEERS_DIR, cache_dir, vllm_python
 log = logging.getLogger(__name__)
 SYSTEMS = (
     "tutorserve",
+    "tutorserve-notiers",
     "vllm",
     "vllm-allcores",
     "llama-server",
@@ -58,21 +61,29 @@ def bf16_gguf(model: str) -> Path:
     return cache_dir() / "peers" / "llama.cpp" / f"{model.replace('/', '_')}-bf16.gguf"
 
 
-def make_system(name: str, files: ModelFiles, port: int, max_num_seqs: int) -> System:
-    """The command line that serves `files` as `name` on 127.0.0.1:`port`."""
+def make_system(
+    name: str, files: ModelFiles, port: int, max_num_seqs: int, kv_cache_gb: float = 1.0
+) -> System:
+    """The command line that serves `files` as `name` on 127.0.0.1:`port`. `kv_cache_gb` sizes
+    every system's KV pool; vLLM-CPU takes whole GiB, so it gets at least 1."""
     common = ["--host", "127.0.0.1", "--port", str(port)]
     n = str(max_num_seqs)
-    if name == "tutorserve":
+    if name in ("tutorserve", "tutorserve-notiers"):
+        # A fresh disk tier per run: one left by an earlier run would flatter this one.
+        tiers = ["--kv-disk-dir", tempfile.mkdtemp(prefix="bench-kv-")]
+        if name == "tutorserve-notiers":
+            tiers = ["--kv-ram-gb", "0", "--kv-disk-gb", "0"]
         argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--model", files.gguf,
                 "--served-model-name", files.name, "--dtype", "bfloat16", "--max-num-seqs", n,
-                "--max-waiting", "100000", *common]  # fmt: skip
+                "--kv-cache-gb", f"{kv_cache_gb:g}", *tiers, "--max-waiting", "100000",
+                *common]  # fmt: skip
         return System(name, argv)
     if name in ("vllm", "vllm-allcores"):
         py = vllm_python()
         argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", files.hf_dir,
                 "--served-model-name", files.name, "--dtype", "bfloat16", "--max-model-len",
                 "8192", "--enable-prefix-caching", "--max-num-seqs", n, *common]  # fmt: skip
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_cache_gb)))}
         if name == "vllm-allcores":
             env |= _VLLM_ALL_CORES
         missing = None if py.exists() else f"run {PEERS_DIR / 'install_vllm_cpu.sh'}"

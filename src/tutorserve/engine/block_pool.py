@@ -8,6 +8,7 @@ New allocations pop from the head, evicting the least recently freed cached bloc
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -27,6 +28,9 @@ class BlockPool:
         # Kept as a count (not a scan of the free list) so /metrics can read it from another
         # thread while the engine mutates the list.
         self.num_cached_free = 0
+        # Told which cached blocks an allocation evicts (id, hash), before anyone can overwrite
+        # them: the KV tiers copy them out.
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -39,18 +43,21 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} blocks with {len(self.free)} free")
-        ids = []
+        ids, evicted = [], []
         for _ in range(n):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) == block_id:
                     del self.cached[block.block_hash]
+                    evicted.append((block_id, block.block_hash))
                 block.block_hash = None
                 self.num_evictions += 1
                 self.num_cached_free -= 1
             block.ref_count = 1
             ids.append(block_id)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return ids
 
     def lookup(self, block_hash: bytes) -> int | None:
@@ -84,6 +91,24 @@ class BlockPool:
         block.block_hash = block_hash
         self.num_cached_free += block.ref_count == 0
         self.cached.setdefault(block_hash, block_id)
+
+    def evict_cached(self) -> int:
+        """Drop every free block's prefix-cache entry (telling `on_evict` first); blocks held by
+        requests keep theirs. Returns how many were dropped."""
+        evicted = []
+        for block_id in self.free:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+                evicted.append((block_id, block.block_hash))
+            block.block_hash = None
+        self.num_cached_free = 0
+        self.num_evictions += len(evicted)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        return len(evicted)
 
     def check_integrity(self) -> None:
         """Every block is either free (ref 0, in the free list) or held (ref > 0, not in it)."""

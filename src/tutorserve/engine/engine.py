@@ -12,6 +12,7 @@ from tutorserve.config import EngineConfig
 from tutorserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tutorserve.engine.device import resolve_device, resolve_dtype
 from tutorserve.engine.kv_cache_manager import KVCacheManager
+from tutorserve.engine.kv_tiers import TieredKVStore, model_fingerprint
 from tutorserve.engine.model_runner import ModelRunner
 from tutorserve.engine.outputs import RequestMetrics, RequestOutput
 from tutorserve.engine.scheduler import Scheduler
@@ -59,13 +60,46 @@ class LLMEngine:
                 f"KV budget {config.kv_cache_bytes} B is below one block ({per_block} B)"
             )
         self.max_model_len = self._max_model_len(num_blocks * bs)
-        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(config, self.model, num_blocks, self.device, self.dtype)
+        self.store = self._kv_store()
+        self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, self.store)
+        self.scheduler = Scheduler(config, self.kv)
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
         # Set to a list to record one StepRecord per step (benchmarks, profiling).
         self.step_log: list[StepRecord] | None = None
+
+    def _kv_store(self) -> TieredKVStore | None:
+        cfg = self.config
+        if not (cfg.kv_ram_bytes or cfg.kv_disk_bytes):
+            return None
+        if not cfg.enable_prefix_caching:
+            log.warning("KV tiers are keyed by prefix-cache hashes: off without prefix caching")
+            return None
+        return TieredKVStore(
+            self.runner.k_cache,
+            self.runner.v_cache,
+            ram_bytes=cfg.kv_ram_bytes,
+            disk_bytes=cfg.kv_disk_bytes,
+            disk_dir=cfg.kv_disk_dir,
+            fingerprint=model_fingerprint(self.model, self.dtype, cfg.block_size),
+            session_ttl=cfg.session_ttl,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Empty the pool's prefix cache (its blocks spill to the KV tiers, as under pressure);
+        returns the number of blocks dropped. For benchmarks of cold starts."""
+        return self.kv.pool.evict_cached()
+
+    def on_idle(self) -> None:
+        """Nothing to step: a good moment for the KV tiers' deferred disk writes."""
+        if self.store is not None:
+            self.store.flush()
+
+    def close(self) -> None:
+        """Finish the KV tiers' pending disk writes (so a restart finds them)."""
+        if self.store is not None:
+            self.store.close()
 
     def _max_model_len(self, capacity: int) -> int:
         limit = self.model.config.max_position_embeddings
@@ -89,6 +123,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        session_id: str | None = None,
     ) -> Sequence:
         params = params or SamplingParams()
         params.validate()
@@ -97,7 +132,9 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(ids)
-        seq = Sequence(request_id, ids, params, prompt=text, priority=priority)
+        seq = Sequence(
+            request_id, ids, params, prompt=text, priority=priority, session_id=session_id
+        )
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -138,6 +175,8 @@ class LLMEngine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self.store is not None:  # maybe everyone waits on disk reads: don't spin
+                self.store.wait_for_reads(timeout=0.01)
             return []
         used_blocks, running = self.kv.num_used_blocks, len(self.scheduler.running)
         samplers, tokens = self.runner.run(batch)

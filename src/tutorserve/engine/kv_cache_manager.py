@@ -6,6 +6,7 @@ import hashlib
 from array import array
 
 from tutorserve.engine.block_pool import BlockPool
+from tutorserve.engine.kv_tiers import TieredKVStore, TierMatch
 from tutorserve.engine.sequence import Sequence
 
 
@@ -21,12 +22,21 @@ def hash_block(parent: bytes, tokens: list[int], salt: bytes = b"") -> bytes:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        store: TieredKVStore | None = None,
+    ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.store = store if enable_prefix_caching else None
+        if self.store is not None:
+            self.pool.on_evict = self.store.spill
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,6 +67,22 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits
+
+    def match_tiers(self, seq: Sequence, num_pool_hits: int) -> TierMatch:
+        """Blocks in the KV tiers continuing the `num_pool_hits` blocks found in the pool."""
+        if self.store is None:
+            return TierMatch()
+        limit = (seq.num_tokens - 1) // self.block_size
+        return self.store.match(seq.request_id, seq.block_hashes[num_pool_hits:limit])
+
+    def restore(self, seq: Sequence, start: int, match: TierMatch) -> None:
+        """Fill the blocks of `seq` from index `start` (just allocated) with the matched KV and
+        publish them, so requests admitted later in this step hit them in the pool."""
+        if self.store is None:
+            return
+        self.store.finish_request(seq.request_id, match)
+        if match.keys:
+            self.store.restore(match, seq.block_table[start : start + len(match.keys)])
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_query_tokens += num_tokens
@@ -89,6 +115,17 @@ class KVCacheManager:
         for i in range(seq.num_registered_blocks, full):
             self.pool.register(seq.block_table[i], seq.block_hashes[i])
         seq.num_registered_blocks = full
+
+    def keep_session(self, seq: Sequence) -> None:
+        """Write a finished session turn's computed blocks through to the KV tiers."""
+        if self.store is None:
+            return
+        self.store.finish_request(seq.request_id, None)
+        if seq.session_id is not None:
+            n = seq.num_registered_blocks
+            self.store.keep_session(
+                list(zip(seq.block_table[:n], seq.block_hashes[:n], strict=True))
+            )
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(list(reversed(seq.block_table)))

@@ -24,6 +24,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Finish pending KV-tier disk writes. Also happens at interpreter exit."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -34,11 +44,14 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        session_id: str | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. With a
+        `session_id`, each finished request's KV is written through to the KV tiers, so the
+        session's next turn (even in a new process, with a disk tier) prefills only what is new."""
         batch = _as_prompt_list(prompts)
         plist = _as_params_list(params, len(batch))
-        ids = self._add_all(batch, plist)
+        ids = self._add_all(batch, plist, session_id)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(ids):
@@ -46,6 +59,8 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
+        if not self.engine.has_unfinished():
+            self.engine.on_idle()
         return [done[i] for i in ids]
 
     def chat(
@@ -78,7 +93,9 @@ class LLM:
         finally:
             self.engine.abort_request(rid)
 
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self, prompts: list[Prompt], params: list[SamplingParams], session_id: str | None = None
+    ) -> list[str]:
         # Validate the whole batch before queueing any of it, so a bad prompt leaves no work.
         for p, sp in zip(prompts, params, strict=True):
             sp.validate()
@@ -88,7 +105,7 @@ class LLM:
         try:
             for p, sp in zip(prompts, params, strict=True):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, p, sp)
+                self.engine.add_request(rid, p, sp, session_id=session_id)
                 ids.append(rid)
         except Exception:
             for rid in ids:

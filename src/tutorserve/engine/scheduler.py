@@ -55,6 +55,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.cache_computed_blocks(seq)
+        self.kv.keep_session(seq)
         self.kv.free(seq)
 
     def schedule(self) -> SchedulerOutput:
@@ -127,19 +128,27 @@ class Scheduler:
                 deferred.add(id(seq))
                 i += 1
                 continue
-            n = min(seq.num_tokens - len(hits) * bs, budget)
-            if not self.kv.allocate(seq, n, hits):
+            tier = self.kv.match_tiers(seq, len(hits))
+            if tier.pending:  # its history is being read from disk; others go on meanwhile
+                deferred.add(id(seq))
+                i += 1
+                continue
+            cached = (len(hits) + len(tier.keys)) * bs
+            n = min(seq.num_tokens - cached, budget)
+            if not self.kv.allocate(seq, n + len(tier.keys) * bs, hits):
                 break
             self.waiting.remove(seq)
-            self.kv.record_prefix_lookup(seq.num_tokens, len(hits) * bs)
+            self.kv.restore(seq, len(hits), tier)
+            self.kv.record_prefix_lookup(seq.num_tokens, cached)
             if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = len(hits) * bs
-            seq.num_computed_tokens = len(hits) * bs
+                seq.num_cached_tokens = cached
+            seq.num_computed_tokens = cached
+            self.kv.cache_computed_blocks(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=Sequence.sort_key)
             picked.append((seq, n))
             budget -= n
-            inflight.update(seq.block_hashes[len(hits) :])
+            inflight.update(seq.block_hashes[cached // bs :])
             if self._count_bypass(seq, deferred):
                 ranked, i = self._candidates(), 0
             else:

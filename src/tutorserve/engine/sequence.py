@@ -36,6 +36,8 @@ class Sequence:
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     # Cache-key extras folded into every block hash (e.g. an adapter id), so KV never mixes.
     cache_salt: bytes = b""
+    # A student's conversation: its blocks are written through to the KV tiers when it ends.
+    session_id: str | None = None
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

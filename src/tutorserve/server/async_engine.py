@@ -41,6 +41,7 @@ class _Pending:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
+    session_id: str | None
 
 
 class RequestStream:
@@ -120,6 +121,7 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.engine.close)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     @property
@@ -145,6 +147,7 @@ class AsyncEngine:
         *,
         priority: int = 0,
         user: str | None = None,
+        session_id: str | None = None,
     ) -> RequestStream:
         """Queue a validated request, or raise AdmissionError if the server is full."""
         if not self.healthy:
@@ -168,7 +171,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
             if user is not None:
                 self._users[user] += 1
-            self._adds.append(_Pending(request_id, prompt_ids, params, priority))
+            self._adds.append(_Pending(request_id, prompt_ids, params, priority, session_id))
             self._cond.notify()
         return stream
 
@@ -194,9 +197,13 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
+                    idle = False
                     while not (
                         self._stopping or self._adds or self._aborts or engine.has_unfinished()
                     ):
+                        if not idle:
+                            engine.on_idle()
+                            idle = True
                         self._cond.wait()
                     if self._stopping:
                         return
@@ -217,7 +224,13 @@ class AsyncEngine:
 
     def _add(self, p: _Pending) -> ValueError | None:
         try:
-            self.engine.add_request(p.request_id, p.prompt_ids, p.params, priority=p.priority)
+            self.engine.add_request(
+                p.request_id,
+                p.prompt_ids,
+                p.params,
+                priority=p.priority,
+                session_id=p.session_id,
+            )
         except ValueError as e:  # validated on the loop already; kept so one request can't kill
             return e
         return None

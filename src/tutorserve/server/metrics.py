@@ -11,9 +11,16 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
+from tutorserve.engine.kv_tiers.disk import DiskTier
+from tutorserve.engine.kv_tiers.ram import RamTier
 from tutorserve.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -73,6 +80,39 @@ class _EngineStateCollector(Collector):
             "Requests preempted to free KV blocks.",
             value=s.engine.scheduler.num_preemptions,
         )
+        if s.engine.store is not None:
+            yield from _tier_metrics(s.engine.store.tiers)
+
+
+def _tier_metrics(tiers: list[RamTier | DiskTier]) -> Iterator[Metric]:
+    """Per KV tier (ram, disk): lookups, traffic, restore latency and occupancy."""
+    counters = {
+        "hits": ("KV blocks restored from the tier instead of recomputed.", "hits"),
+        "misses": ("Requests whose cached prefix ran out in the tier.", "misses"),
+        "bytes_in": ("Bytes written into the tier.", "bytes_in"),
+        "bytes_out": ("Bytes read out of the tier.", "bytes_out"),
+        "errors": ("Corrupt, truncated or foreign blocks dropped and recomputed.", "errors"),
+        "dropped_writes": ("Blocks not stored: over budget or writer backlog.", "dropped"),
+    }
+    for name, (doc, attr) in counters.items():
+        family = CounterMetricFamily(_P + f"kv_tier_{name}", doc, labels=["tier"])
+        for t in tiers:
+            family.add_metric([t.name], getattr(t.stats, attr))
+        yield family
+    load = SummaryMetricFamily(
+        _P + "kv_tier_load_seconds",
+        "Time to restore one request's run of blocks from the tier (disk: read into RAM).",
+        labels=["tier"],
+    )
+    used = GaugeMetricFamily(_P + "kv_tier_usage_bytes", "Bytes held.", labels=["tier"])
+    cap = GaugeMetricFamily(_P + "kv_tier_capacity_bytes", "Byte budget.", labels=["tier"])
+    blocks = GaugeMetricFamily(_P + "kv_tier_blocks", "Blocks held.", labels=["tier"])
+    for t in tiers:
+        load.add_metric([t.name], t.stats.loads, t.stats.load_seconds)
+        used.add_metric([t.name], t.used_bytes)
+        cap.add_metric([t.name], t.capacity_bytes)
+        blocks.add_metric([t.name], len(t))
+    yield from (load, used, cap, blocks)
 
 
 class EngineMetrics:

@@ -55,6 +55,8 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     priority: int = 0
+    # A student's conversation (or the X-Session-Id header): its KV is kept between turns.
+    session_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

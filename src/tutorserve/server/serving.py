@@ -131,11 +131,16 @@ class OpenAIServing:
         self, req: ChatCompletionRequest | CompletionRequest, request: Request
     ) -> Response:
         chat = isinstance(req, ChatCompletionRequest)
+        session = req.session_id or request.headers.get("x-session-id")
+        if session is not None and not 0 < len(session) <= 256:
+            raise APIError(400, "X-Session-Id must be 1 to 256 characters", param="session_id")
         # Templating and tokenizing a long history would stall every stream on the event loop.
         ids = await asyncio.to_thread(self.chat_prompt if chat else self.completion_prompt, req)
         params = self.sampling_params(req, len(ids))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = self.server.submit(rid, ids, params, priority=req.priority, user=req.user)
+        stream = self.server.submit(
+            rid, ids, params, priority=req.priority, user=req.user, session_id=session
+        )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             # Closing the stream in a background task too covers a client that leaves before
