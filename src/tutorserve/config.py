@@ -55,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"scheduling must be fcfs or cache-aware, got {self.scheduling!r}")
         if self.kv_ram_bytes < 0 or self.kv_disk_bytes < 0:
             raise ValueError("kv_ram_bytes and kv_disk_bytes must be >= 0 (0 turns a tier off)")
+        if self.kv_disk_bytes and not self.kv_disk_dir:
+            raise ValueError("kv_disk_dir is required when the disk tier is on")
         if self.session_ttl <= 0:
             raise ValueError("session_ttl must be positive")
         if self.max_bypass < 0:

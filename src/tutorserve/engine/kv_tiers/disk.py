@@ -48,7 +48,10 @@ class DiskTier:
     ) -> None:
         self.fingerprint = fingerprint
         self.dir = Path(root).expanduser() / fingerprint.hex()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot use {root} as the KV disk tier folder: {e}") from e
         self.shape = shape
         self.dtype = dtype
         self.payload_bytes = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
@@ -141,10 +144,14 @@ class DiskTier:
         )
         path = self._path(key)
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        with tmp.open("wb") as f:
-            f.write(header)
-            f.write(payload)
-        os.replace(tmp, path)
+        try:
+            with tmp.open("wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         with self._lock:
             for victim in self.index.victims(nbytes):
                 self._remove(victim)

@@ -54,7 +54,8 @@ class TierMatch:
     keys: list[bytes] = field(default_factory=list)
     payloads: list[torch.Tensor] = field(default_factory=list)  # held, so eviction can't race
     pending: bool = False  # the next block is on its way from disk: wait for it
-    missed: bool = False  # the lookup ran out of every tier before the prompt's end
+    ram_missed: bool = False  # RAM did not hold the whole cacheable prompt before disk reads
+    disk_missed: bool = False  # neither did the disk
 
 
 class TieredKVStore:
@@ -160,7 +161,10 @@ class TieredKVStore:
                 out.pending = rest[0] in self._reading
             if not out.pending and rest[0] in self.disk:
                 out.pending = self._start_read(request_id, rest)
-        out.missed = bool(rest) and not out.pending
+        with self._lock:
+            promoted = any(k in self._from_disk for k in out.keys)
+        out.ram_missed = bool(rest) or promoted
+        out.disk_missed = bool(rest) and not out.pending and self.disk is not None
         return out
 
     def _start_read(self, request_id: str, keys: list[bytes]) -> bool:
@@ -198,9 +202,12 @@ class TieredKVStore:
     def finish_request(self, request_id: str, match: TierMatch | None) -> None:
         """Count a finished lookup's misses once per request, not once per waiting step."""
         self._reads_by_request.pop(request_id, None)
-        if match is not None and match.missed:
-            for tier in self.tiers:
-                tier.stats.misses += 1
+        if match is None:
+            return
+        if self.spill_to_ram and match.ram_missed:
+            self.ram.stats.misses += 1
+        if self.disk is not None and match.disk_missed:
+            self.disk.stats.misses += 1
 
     def wait_for_reads(self, timeout: float) -> None:
         """Sleep until a disk read finishes (or `timeout`), when nothing else can run."""
