@@ -83,11 +83,17 @@ def test_chat_streams_a_reply(synth_llama):
     assert r.stdout.count("tutor> ") == 2
 
 
-def test_serve_refuses_bad_options(synth_llama, live_server):
+def test_serve_refuses_bad_options(synth_llama, live_server, tmp_path):
     r = run("serve", "--model", "no-such-model")
     assert r.returncode == 2 and "error: unknown model 'no-such-model'" in r.stderr
     r = run("serve", "--model", synth_llama, "--max-waiting", "0")
     assert r.returncode == 2 and "--max-waiting" in r.stderr
+    r = run("serve", "--model", synth_llama, "--kv-ram-gb", "-1")
+    assert r.returncode == 2 and "kv_ram_bytes" in r.stderr
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = run("serve", "--model", synth_llama, "--kv-disk-dir", str(blocker / "kv"))
+    assert r.returncode == 2 and "KV disk tier folder" in r.stderr
     port = live_server.url.rsplit(":", 1)[1]
     r = run("serve", "--model", synth_llama, "--num-kv-blocks", "64", "--port", port)
     assert r.returncode != 0 and "address already in use" in r.stderr

@@ -82,10 +82,13 @@ def test_prefix_restored_from_ram_matches_recompute(synth_llama, tmp_path, histo
     assert llm.generate([history], GREEDY)[0].token_ids == reference
     flush_pool(llm)
     assert llm.engine.kv.pool.lookup(hash_block(b"", history[:BS])) is None  # left the pool
+    misses = stats(llm)["ram"].misses
+    assert misses == 5  # the first request and the four unrelated ones found nothing
     out = llm.generate([history], GREEDY)[0]
     assert out.token_ids == reference
     assert out.metrics.num_cached_tokens == (len(history) - 1) // BS * BS
-    assert stats(llm)["ram"].hits > 0
+    assert stats(llm)["ram"].hits == (len(history) - 1) // BS  # the pool had none of it
+    assert stats(llm)["ram"].misses == misses
     assert_no_leaks(llm)
 
 
