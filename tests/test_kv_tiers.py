@@ -5,6 +5,7 @@ import logging
 import random
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -272,3 +273,26 @@ def test_bench_kv_restore_restores_every_history_block(synth_llama, tmp_path):
     assert res.cached_tokens == {"recompute": [0, 0], "ram": [96, 96], "disk": [96, 96]}
     assert all(len(v) == 2 and min(v) > 0 for v in res.ttft_s.values())
     assert "| tiny | 96 |" in restore_table([res])
+
+
+class InlineExecutor:
+    """Runs each task inside `submit`: a disk read that finishes before its start returns."""
+
+    def submit(self, fn, *args):
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+    def shutdown(self, **_):
+        pass
+
+
+def test_read_finishing_at_once_leaves_nothing_waiting(synth_llama, tmp_path, history, reference):
+    with tiered(synth_llama, tmp_path, ram=0) as llm:
+        llm.generate([history], GREEDY, session_id="s")
+    llm = tiered(synth_llama, tmp_path, ram=0)
+    llm.engine.store._reader = InlineExecutor()
+    out = llm.generate([history], GREEDY)[0]
+    assert out.token_ids == reference
+    assert out.metrics.num_cached_tokens == (len(history) - 1) // BS * BS
+    assert not llm.engine.store._reading

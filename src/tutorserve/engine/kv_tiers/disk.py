@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tutorserve.engine.kv_tiers.lru import LruIndex
-from tutorserve.engine.kv_tiers.ram import TierStats
+from tutorserve.engine.kv_tiers.lru import LruTier
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ class CorruptBlockError(ValueError):
     """A stored block failed a check; it has been deleted."""
 
 
-class DiskTier:
+class DiskTier(LruTier):
     name = "disk"
 
     def __init__(
@@ -55,24 +54,9 @@ class DiskTier:
         self.shape = shape
         self.dtype = dtype
         self.payload_bytes = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
-        self.index = LruIndex(capacity_bytes)
-        self.stats = TierStats()
+        super().__init__(capacity_bytes)
         self._lock = threading.Lock()
         self._scan()
-
-    @property
-    def used_bytes(self) -> int:
-        return self.index.used_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.index.capacity_bytes
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.index
 
     def _path(self, key: bytes) -> Path:
         return self.dir / (key.hex() + _SUFFIX)

@@ -1,4 +1,5 @@
-"""Byte-budgeted LRU order over block hashes, shared by the RAM and disk tiers.
+"""Byte-budgeted LRU order over block hashes, and the part of a tier built on it (shared by the
+RAM and disk tiers).
 
 Entries kept for a student session carry an expiry (last use + session TTL). Eviction takes, in
 order: session entries past their TTL, then ordinary entries (spilled from the pool) least
@@ -81,3 +82,39 @@ class LruIndex:
                     out[key] = None
                     excess -= self.get(key).nbytes  # type: ignore[union-attr]
         return list(out)
+
+
+@dataclass(slots=True)
+class TierStats:
+    hits: int = 0  # blocks found on lookup
+    misses: int = 0  # admitted requests whose cacheable prompt the tier did not hold to the end
+    bytes_in: int = 0  # written into the tier
+    bytes_out: int = 0  # read out of it (restored into the pool, or promoted from disk)
+    loads: int = 0  # restores: one request's run of blocks from this tier
+    load_seconds: float = 0.0
+    errors: int = 0  # corrupt, truncated or foreign entries dropped
+    dropped: int = 0  # writes skipped (over budget, or the disk writer falling behind)
+
+
+class LruTier:
+    """A tier's bookkeeping: what it holds (an `LruIndex`) and its counters."""
+
+    name = ""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.index = LruIndex(capacity_bytes)
+        self.stats = TierStats()
+
+    @property
+    def used_bytes(self) -> int:
+        return self.index.used_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.index.capacity_bytes
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.index

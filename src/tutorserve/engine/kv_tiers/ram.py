@@ -3,49 +3,21 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import torch
 
-from tutorserve.engine.kv_tiers.lru import LruIndex
+from tutorserve.engine.kv_tiers.lru import LruTier
 
 
-@dataclass(slots=True)
-class TierStats:
-    hits: int = 0  # blocks found on lookup
-    misses: int = 0  # blocks looked up and not found
-    bytes_in: int = 0  # written into the tier
-    bytes_out: int = 0  # read out of it (restored into the pool, or promoted from disk)
-    loads: int = 0  # restores: one request's run of blocks from this tier
-    load_seconds: float = 0.0
-    errors: int = 0  # corrupt, truncated or foreign entries dropped
-    dropped: int = 0  # writes skipped (over budget, or the disk writer falling behind)
-
-
-class RamTier:
+class RamTier(LruTier):
     """Thread-safe: the engine thread spills and restores, the disk reader promotes into it."""
 
     name = "ram"
 
     def __init__(self, capacity_bytes: int) -> None:
-        self.index = LruIndex(capacity_bytes)
-        self.stats = TierStats()
+        super().__init__(capacity_bytes)
         self._data: dict[bytes, torch.Tensor] = {}
         self._lock = threading.Lock()
-
-    @property
-    def used_bytes(self) -> int:
-        return self.index.used_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.index.capacity_bytes
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._data
 
     def get(self, key: bytes) -> torch.Tensor | None:
         with self._lock:

@@ -82,7 +82,7 @@ class TieredKVStore:
             else None
         )
         self._lock = threading.Lock()
-        self._reading: dict[bytes, Future] = {}
+        self._reading: dict[bytes, Future | None] = {}  # None: the read is being submitted
         self._from_disk: set[bytes] = set()  # in RAM because a disk read put them there
         self._reads_by_request: dict[str, int] = {}
         self._backlog = 0
@@ -177,10 +177,15 @@ class TieredKVStore:
         # At most half of RAM per read, so what it brings in is still there when restored.
         room = self.ram.capacity_bytes // 2 // disk.payload_bytes
         run = list(takewhile(disk.__contains__, keys[:room]))
+        # Registered before the read starts, so it cannot finish (and unregister them) first:
+        # a key left behind would keep its request waiting forever.
+        with self._lock:
+            self._reading.update(dict.fromkeys(run))
         future = self._reader.submit(self._read, run)
         with self._lock:
             for key in run:
-                self._reading[key] = future
+                if key in self._reading:
+                    self._reading[key] = future
         return True
 
     def restore(self, match: TierMatch, block_ids: list[int]) -> None:
@@ -212,7 +217,7 @@ class TieredKVStore:
     def wait_for_reads(self, timeout: float) -> None:
         """Sleep until a disk read finishes (or `timeout`), when nothing else can run."""
         with self._lock:
-            futures = set(self._reading.values())
+            futures = {f for f in self._reading.values() if f is not None}
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
