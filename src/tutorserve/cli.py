@@ -48,6 +48,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=3600.0,
         help="seconds a session's KV is kept ahead of other cached KV",
     )
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters")
+    g.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="an adapter to load at start (repeatable; implies --enable-lora)",
+    )
+    g.add_argument("--max-loras", type=int, default=8, help="adapters usable in one step")
+    g.add_argument("--max-lora-rank", type=int, default=16)
+    g.add_argument("--max-cpu-loras", type=int, default=64, help="adapters kept in host RAM")
 
 
 def engine_options(a: argparse.Namespace) -> dict[str, Any]:
@@ -68,7 +80,24 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
         "kv_disk_bytes": int(a.kv_disk_gb * 2**30),
         "kv_disk_dir": a.kv_disk_dir,
         "session_ttl": a.session_ttl,
+        "enable_lora": a.enable_lora,
+        "lora_modules": _lora_modules(a.lora),
+        "max_loras": a.max_loras,
+        "max_lora_rank": a.max_lora_rank,
+        "max_cpu_loras": a.max_cpu_loras,
     }
+
+
+def _lora_modules(specs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora takes NAME=PATH, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--lora {name} is given twice")
+        out[name] = path
+    return out
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -108,7 +137,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     prompt = a.prompt
     if not a.raw and llm.tokenizer.chat_template:
         prompt = llm.render_chat([{"role": "user", "content": a.prompt}])
-    for piece in llm.stream(prompt, params):
+    for piece in llm.stream(prompt, params, lora=a.adapter):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -199,6 +228,17 @@ def cmd_synth_model(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_synth_lora(a: argparse.Namespace) -> int:
+    from tutorserve.lora.synth import synth_lora
+    from tutorserve.models.loader import load_model_config
+
+    targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
+    base = load_model_config(a.base)
+    out = synth_lora(a.out, base, a.rank, targets, a.alpha, a.seed, a.base, a.strength)
+    print(f"wrote a rank-{a.rank} LoRA adapter for {a.base} ({', '.join(targets)}) to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tutorserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -211,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="complete one prompt")
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="skip the chat template")
+    p.add_argument("--adapter", default=None, help="a LoRA adapter given with --lora to apply")
     add_engine_args(p)
     add_sampling_args(p, max_tokens=256)
     p.set_defaults(func=cmd_generate)
@@ -255,6 +296,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_synth_model)
+
+    p = sub.add_parser("synth-lora", help="write a random PEFT LoRA adapter for a base model")
+    p.add_argument("out")
+    p.add_argument("--base", default=DEFAULT_MODEL, help="the base model the adapter fits")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="comma-separated")
+    p.add_argument("--alpha", type=float, default=None, help="default: 2 × rank")
+    p.add_argument("--strength", type=float, default=0.5, help="update size relative to input")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_synth_lora)
 
     from tutorserve.bench.cli import add_bench_parser
 

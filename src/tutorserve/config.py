@@ -31,6 +31,12 @@ class EngineConfig:
     kv_disk_bytes: int = 0
     kv_disk_dir: str = "~/.cache/tutorserve/kv"
     session_ttl: float = 3600.0  # seconds a session's blocks are kept ahead of other cached KV
+    # Multi-LoRA: adapters by name → PEFT folder, loaded at start; more can be loaded later.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
+    max_loras: int = 8  # adapters resident in compute slots (usable in one step)
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 64  # adapters kept in host RAM; the others are reread from disk
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -55,6 +61,12 @@ class EngineConfig:
             raise ValueError(f"scheduling must be fcfs or cache-aware, got {self.scheduling!r}")
         if self.kv_ram_bytes < 0 or self.kv_disk_bytes < 0:
             raise ValueError("kv_ram_bytes and kv_disk_bytes must be >= 0 (0 turns a tier off)")
+        if self.lora_modules and not self.enable_lora:
+            self.enable_lora = True
+        if self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_loras must be >= 1 and max_cpu_loras >= max_loras")
+        if not 1 <= self.max_lora_rank <= 256:
+            raise ValueError("max_lora_rank must be in 1..256")
         if self.kv_disk_bytes and not self.kv_disk_dir:
             raise ValueError("kv_disk_dir is required when the disk tier is on")
         if self.session_ttl <= 0:

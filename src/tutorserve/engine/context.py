@@ -56,11 +56,22 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
+class LoRABatch:
+    """Which tokens of the step use an adapter, grouped by the adapter's slot: the rows of one
+    slot are contiguous, so each slot's low-rank product is one segment of a grouped matmul."""
+
+    rows: torch.Tensor  # [n] token rows using an adapter, ordered by slot
+    offsets: torch.Tensor  # [num_slots] int32 end of each slot's segment in `rows`
+    counts: list[int]  # rows per slot
+
+
+@dataclass(slots=True)
 class StepContext:
     slot_mapping: torch.Tensor  # [num_tokens] KV slot of every token computed this step
     num_decode: int = 0
     decode: DecodeBatch | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    lora: LoRABatch | None = None  # None: no token uses an adapter this step
     # Grow-only scratch tensors reused across layers and steps (gathered K/V), so large
     # gathers do not fault in fresh pages every time.
     workspace: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -78,6 +89,10 @@ def get_context() -> StepContext:
     if _CONTEXT is None:
         raise RuntimeError("attention called outside a model runner step")
     return _CONTEXT
+
+
+def lora_batch() -> LoRABatch | None:
+    return None if _CONTEXT is None else _CONTEXT.lora
 
 
 def reset_context() -> None:

@@ -17,6 +17,7 @@ from tutorserve.engine.model_runner import ModelRunner
 from tutorserve.engine.outputs import RequestMetrics, RequestOutput
 from tutorserve.engine.scheduler import Scheduler
 from tutorserve.engine.sequence import Sequence, SequenceStatus
+from tutorserve.lora.manager import LoRAManager
 from tutorserve.models.loader import load_model
 from tutorserve.sampling_params import SamplingParams
 
@@ -63,11 +64,39 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model, num_blocks, self.device, self.dtype)
         self.store = self._kv_store()
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, self.store)
-        self.scheduler = Scheduler(config, self.kv)
+        self.lora = self._lora_manager()
+        self.scheduler = Scheduler(config, self.kv, self.lora)
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
         # Set to a list to record one StepRecord per step (benchmarks, profiling).
         self.step_log: list[StepRecord] | None = None
+
+    def _lora_manager(self) -> LoRAManager | None:
+        cfg = self.config
+        if not cfg.enable_lora:
+            return None
+        manager = LoRAManager(self.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
+        self.runner.num_lora_slots = cfg.max_loras
+        for name, path in cfg.lora_modules.items():
+            manager.add(name, path)
+        return manager
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> None:
+        """Register a PEFT adapter under `name` (ValueError if invalid or the name is taken)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (start with --enable-lora)")
+        self.lora.add(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is None or name not in self.lora.paths:
+            raise KeyError(name)
+        if any(seq.lora == name for seq in self.seqs.values()):
+            raise ValueError(f"LoRA adapter {name!r} has requests in flight")
+        self.lora.remove(name)
+
+    def lora_names(self) -> list[str]:
+        return [] if self.lora is None else self.lora.names()
 
     def _kv_store(self) -> TieredKVStore | None:
         cfg = self.config
@@ -124,6 +153,7 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         session_id: str | None = None,
+        lora: str | None = None,
     ) -> Sequence:
         params = params or SamplingParams()
         params.validate()
@@ -132,9 +162,11 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(ids)
+        salt = self.check_lora(lora)
         seq = Sequence(
             request_id, ids, params, prompt=text, priority=priority, session_id=session_id
         )
+        seq.lora, seq.cache_salt = lora, salt
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -143,6 +175,16 @@ class LLMEngine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def check_lora(self, lora: str | None) -> bytes:
+        """The cache salt of adapter `lora` (no KV is shared across adapters)."""
+        if lora is None:
+            return b""
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora!r} requested but LoRA is not enabled")
+        if lora not in self.lora.fingerprints:
+            raise ValueError(f"unknown LoRA adapter {lora!r}; loaded: {self.lora.names()}")
+        return self.lora.fingerprints[lora]
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:

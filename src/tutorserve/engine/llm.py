@@ -24,6 +24,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
         self._ids = itertools.count()
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Register a PEFT LoRA adapter folder under `name`, for `generate(..., lora=name)`."""
+        self.engine.load_lora(name, path)
+
     def close(self) -> None:
         """Finish pending KV-tier disk writes. Also happens at interpreter exit."""
         self.engine.close()
@@ -45,13 +49,16 @@ class LLM:
         *,
         use_tqdm: bool = False,
         session_id: str | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. With a
         `session_id`, each finished request's KV is written through to the KV tiers, so the
-        session's next turn (even in a new process, with a disk tier) prefills only what is new."""
+        session's next turn (even in a new process, with a disk tier) prefills only what is new.
+        `lora` names a loaded adapter for every prompt, or gives one name (or None: the base
+        model) per prompt; requests of different adapters share each step's batch."""
         batch = _as_prompt_list(prompts)
         plist = _as_params_list(params, len(batch))
-        ids = self._add_all(batch, plist, session_id)
+        ids = self._add_all(batch, plist, session_id, lora)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
             while len(done) < len(ids):
@@ -79,9 +86,11 @@ class LLM:
             raise ValueError("messages is empty")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, lora: str | None = None
+    ) -> Iterator[str]:
         """Yield text pieces of one request as they are generated."""
-        (rid,) = self._add_all([prompt], [params or SamplingParams()])
+        (rid,) = self._add_all([prompt], [params or SamplingParams()], lora=lora)
         try:
             while True:
                 for out in self.engine.step():
@@ -94,18 +103,27 @@ class LLM:
             self.engine.abort_request(rid)
 
     def _add_all(
-        self, prompts: list[Prompt], params: list[SamplingParams], session_id: str | None = None
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        session_id: str | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[str]:
         # Validate the whole batch before queueing any of it, so a bad prompt leaves no work.
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA names for {len(prompts)} prompts")
+        for name in set(loras):
+            self.engine.check_lora(name)
         for p, sp in zip(prompts, params, strict=True):
             sp.validate()
             if not isinstance(p, str):
                 self.engine.check_prompt(p)
         ids = []
         try:
-            for p, sp in zip(prompts, params, strict=True):
+            for p, sp, name in zip(prompts, params, loras, strict=True):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, p, sp, session_id=session_id)
+                self.engine.add_request(rid, p, sp, session_id=session_id, lora=name)
                 ids.append(rid)
         except Exception:
             for rid in ids:

@@ -10,7 +10,13 @@ import torch
 
 from tutorserve.config import EngineConfig
 from tutorserve.engine.attn_metadata import build_decode_batch
-from tutorserve.engine.context import PrefillChunk, StepContext, reset_context, set_context
+from tutorserve.engine.context import (
+    LoRABatch,
+    PrefillChunk,
+    StepContext,
+    reset_context,
+    set_context,
+)
 from tutorserve.engine.sampler import sample
 from tutorserve.engine.scheduler import SchedulerOutput
 from tutorserve.engine.sequence import Sequence
@@ -41,6 +47,7 @@ class ModelRunner:
         self.share_prefixes = config.enable_prefix_caching
         self.workspace: dict[str, torch.Tensor] = {}
         self.last_forward_s = 0.0
+        self.num_lora_slots = 0  # set when LoRA is enabled
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             num_blocks,
@@ -104,6 +111,8 @@ class ModelRunner:
             prefills=prefills,
             workspace=self.workspace,
         )
+        if self.num_lora_slots:
+            ctx.lora = self._lora_batch(batch)
         if dec_lens:
             ctx.decode = build_decode_batch(
                 dec_tables, dec_lens, bs, dev, self.k_cache.dtype, self.share_prefixes
@@ -114,4 +123,19 @@ class ModelRunner:
             ctx,
             torch.as_tensor(logit_rows, device=dev),
             samplers,
+        )
+
+    def _lora_batch(self, batch: SchedulerOutput) -> LoRABatch | None:
+        """Token rows that use an adapter, grouped by slot (stable, so rows stay in order)."""
+        slots = np.repeat([seq.lora_slot for seq in batch.seqs], batch.num_tokens)
+        rows = np.flatnonzero(slots >= 0)
+        if not len(rows):
+            return None
+        order = rows[np.argsort(slots[rows], kind="stable")]
+        counts = np.bincount(slots[rows], minlength=self.num_lora_slots)
+        dev = self.device
+        return LoRABatch(
+            rows=torch.as_tensor(order, device=dev),
+            offsets=torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device=dev),
+            counts=counts.tolist(),
         )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tutorserve.config import EngineConfig
 from tutorserve.engine.kv_cache_manager import KVCacheManager
 from tutorserve.engine.sequence import Sequence, SequenceStatus
+from tutorserve.lora.manager import LoRAManager
 
 log = logging.getLogger(__name__)
 _LPM_WINDOW = 64  # waiting requests ranked per admission; bounds the cost under overload
@@ -34,9 +35,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: EngineConfig, kv: KVCacheManager, lora: LoRAManager | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.lora = lora
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -57,6 +61,12 @@ class Scheduler:
         self.kv.cache_computed_blocks(seq)
         self.kv.keep_session(seq)
         self.kv.free(seq)
+        self._release_lora(seq)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0 and self.lora is not None:
+            self.lora.release(seq.lora_slot)
+        seq.lora_slot = -1
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -133,9 +143,19 @@ class Scheduler:
                 deferred.add(id(seq))
                 i += 1
                 continue
+            if not self._take_lora_slot(seq):
+                # Every slot serves running requests of other adapters. Skip it (it is charged a
+                # bypass as others go ahead) until it has been passed over `max_bypass` times;
+                # then admit nobody else, so slots drain and it goes next (vLLM's max-loras
+                # admission can starve it).
+                if self.config.scheduling == "fcfs" or seq.num_bypassed >= self.config.max_bypass:
+                    break
+                i += 1
+                continue
             cached = (len(hits) + len(tier.keys)) * bs
             n = min(seq.num_tokens - cached, budget)
             if not self.kv.allocate(seq, n + len(tier.keys) * bs, hits):
+                self._release_lora(seq)
                 break
             self.waiting.remove(seq)
             self.kv.restore(seq, len(hits), tier)
@@ -154,6 +174,15 @@ class Scheduler:
             else:
                 i += 1
         return budget
+
+    def _take_lora_slot(self, seq: Sequence) -> bool:
+        if seq.lora is None or self.lora is None:
+            return True
+        slot = self.lora.acquire(seq.lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
 
     def _inflight_blocks(self) -> set[bytes]:
         """Hashes of prompt blocks that running requests are still prefilling (their prompts
@@ -192,6 +221,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        self._release_lora(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)

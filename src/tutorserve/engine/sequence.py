@@ -38,6 +38,8 @@ class Sequence:
     cache_salt: bytes = b""
     # A student's conversation: its blocks are written through to the KV tiers when it ends.
     session_id: str | None = None
+    lora: str | None = None  # adapter name; its fingerprint is the cache salt
+    lora_slot: int = -1  # compute slot while admitted
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

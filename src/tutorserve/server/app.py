@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -24,8 +24,10 @@ from tutorserve.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    UnloadLoRAAdapterRequest,
     error_body,
 )
 from tutorserve.server.serving import APIError, OpenAIServing
@@ -213,9 +215,37 @@ def build_app(server: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(
-            data=[ModelCard(id=settings.model_name, max_model_len=serving.max_model_len)]
-        )
+        base, n = settings.model_name, serving.max_model_len
+        engine = server.engine
+        adapters = [
+            ModelCard(id=name, max_model_len=n, root=str(engine.lora.paths[name]), parent=base)
+            for name in engine.lora_names()
+        ]
+        return ModelList(data=[ModelCard(id=base, max_model_len=n), *adapters])
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        """Register a PEFT adapter folder; requests then use it with `model` = `lora_name`."""
+        if req.lora_name == settings.model_name:
+            raise APIError(400, "lora_name must differ from the base model's", param="lora_name")
+        try:
+            await server.call(lambda: server.engine.load_lora(req.lora_name, req.lora_path))
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_path") from e
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        try:
+            await server.call(lambda: server.engine.unload_lora(req.lora_name))
+        except KeyError as e:
+            raise APIError(
+                404, f"LoRA adapter '{req.lora_name}' is not loaded", param="lora_name",
+                code="model_not_found",
+            ) from e  # fmt: skip
+        except ValueError as e:
+            raise APIError(409, str(e), param="lora_name") from e
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health() -> JSONResponse:

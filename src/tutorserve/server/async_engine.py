@@ -13,7 +13,9 @@ import asyncio
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from tutorserve.engine.engine import LLMEngine
 from tutorserve.engine.outputs import RequestOutput
@@ -21,6 +23,7 @@ from tutorserve.sampling_params import SamplingParams
 from tutorserve.server.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AdmissionError(Exception):
@@ -42,6 +45,7 @@ class _Pending:
     params: SamplingParams
     priority: int
     session_id: str | None
+    lora: str | None
 
 
 class RequestStream:
@@ -101,6 +105,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._adds: list[_Pending] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -148,6 +153,7 @@ class AsyncEngine:
         priority: int = 0,
         user: str | None = None,
         session_id: str | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue a validated request, or raise AdmissionError if the server is full."""
         if not self.healthy:
@@ -171,7 +177,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
             if user is not None:
                 self._users[user] += 1
-            self._adds.append(_Pending(request_id, prompt_ids, params, priority, session_id))
+            self._adds.append(_Pending(request_id, prompt_ids, params, priority, session_id, lora))
             self._cond.notify()
         return stream
 
@@ -199,7 +205,11 @@ class AsyncEngine:
                 with self._cond:
                     idle = False
                     while not (
-                        self._stopping or self._adds or self._aborts or engine.has_unfinished()
+                        self._stopping
+                        or self._adds
+                        or self._aborts
+                        or self._calls
+                        or engine.has_unfinished()
                     ):
                         if not idle:
                             engine.on_idle()
@@ -209,8 +219,11 @@ class AsyncEngine:
                         return
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    calls, self._calls = self._calls, []
                     # Inside the lock so a request is always counted as waiting somewhere.
                     refused = [(p.request_id, e) for p in adds if (e := self._add(p))]
+                for fn, future in calls:
+                    self._answer(future, fn)
                 outputs = [out for rid in aborts if (out := engine.abort_request(rid))]
                 outputs += engine.step()
                 if outputs or refused:
@@ -222,6 +235,33 @@ class AsyncEngine:
                 self._fail_all, EngineDeadError(f"engine loop stopped: {e!r}")
             )
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between two steps (it owns the engine: loading an
+        adapter while a step runs would change weights under it); its exception is raised here."""
+        if not self.healthy:
+            raise EngineDeadError("the engine is not running")
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        with self._cond:
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return await future
+
+    def _answer(self, future: asyncio.Future, fn: Callable[[], Any]) -> None:
+        try:
+            result, error = fn(), None
+        except Exception as e:  # handed to the caller, whatever it is
+            result, error = None, e
+
+        def settle() -> None:
+            if future.done():
+                return
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+        self._loop.call_soon_threadsafe(settle)
+
     def _add(self, p: _Pending) -> ValueError | None:
         try:
             self.engine.add_request(
@@ -230,6 +270,7 @@ class AsyncEngine:
                 p.params,
                 priority=p.priority,
                 session_id=p.session_id,
+                lora=p.lora,
             )
         except ValueError as e:  # validated on the loop already; kept so one request can't kill
             return e

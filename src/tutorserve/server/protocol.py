@@ -183,6 +183,19 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tutorserve"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's folder (as vLLM lists them)
+    parent: str | None = None  # a LoRA adapter's base model
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's `POST /v1/load_lora_adapter` body."""
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class ModelList(BaseModel):

@@ -65,17 +65,22 @@ class OpenAIServing:
         self.max_model_len = server.engine.max_model_len
 
     # ---- building the engine request --------------------------------------------------------
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
+    def _check_model(self, model: str) -> str | None:
+        """The LoRA adapter that `model` names, or None for the base model."""
+        if model == self.model_name:
+            return None
+        if model in self.server.engine.lora_names():
+            return model
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{self.model_name}`"
+            + (f" and the LoRA adapters {self.server.engine.lora_names()}." if
+               self.server.engine.lora_names() else "."),
+            param="model",
+            code="model_not_found",
+        )  # fmt: skip
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        self._check_model(req.model)
         if not self.tokenizer.chat_template:
             raise APIError(
                 400, "this model has no chat template; use /v1/completions", param="messages"
@@ -89,7 +94,6 @@ class OpenAIServing:
         return self._checked(self.tokenizer.encode(text, add_special_tokens=False), "messages")
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        self._check_model(req.model)
         ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
         return self._checked(ids, "prompt")
 
@@ -131,6 +135,7 @@ class OpenAIServing:
         self, req: ChatCompletionRequest | CompletionRequest, request: Request
     ) -> Response:
         chat = isinstance(req, ChatCompletionRequest)
+        lora = self._check_model(req.model)
         session = req.session_id or request.headers.get("x-session-id")
         if session is not None and not 0 < len(session) <= 256:
             raise APIError(400, "X-Session-Id must be 1 to 256 characters", param="session_id")
@@ -139,7 +144,7 @@ class OpenAIServing:
         params = self.sampling_params(req, len(ids))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stream = self.server.submit(
-            rid, ids, params, priority=req.priority, user=req.user, session_id=session
+            rid, ids, params, priority=req.priority, user=req.user, session_id=session, lora=lora
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

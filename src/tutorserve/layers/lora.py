@@ -1,0 +1,94 @@
+"""Multi-LoRA projections: one base matmul for the whole batch, plus each token's adapter update
+computed for all adapters at once as segmented (grouped) matmuls — Punica's SGMV idea.
+
+Adapters live in a fixed number of slots. Each wrapped projection holds, per slot, A stacked
+[slots, in, parts × R] (all fused sub-projections, e.g. q, k and v, side by side) and one B per
+sub-projection [slots, R, out_part], zero-padded to the largest rank R, so adapters of mixed
+ranks and targets share one batch. Per step, the tokens that use an adapter are gathered in slot
+order; shrink (x·A) and expand (·B) are one grouped matmul each over those segments, and the
+result is added into the sub-projection's slice of the base output.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+from torch import nn
+
+from tutorserve.engine.context import LoRABatch, lora_batch
+
+
+def segment_mm(x: torch.Tensor, w: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    """Rows of `x` in segment s times `w[s]`: [n, in] × [slots, in, out] → [n, out]."""
+    if x.device.type == "cpu" and _aligned(x, w):
+        return torch._grouped_mm(x, w, offs=batch.offsets)
+    # Elsewhere (grouped GEMM on CUDA needs recent GPUs and alignments): one matmul per slot
+    # that has rows, still not one per request.
+    parts, start = [], 0
+    for slot, n in enumerate(batch.counts):
+        if n:
+            parts.append(x[start : start + n] @ w[slot])
+            start += n
+    return torch.cat(parts)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """The CPU grouped matmul wants every stride but the last a multiple of 16 bytes."""
+    return all(
+        all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) and t.stride(-1) == 1
+        for t in tensors
+    )
+
+
+class LoRALinear(nn.Module):
+    def __init__(
+        self, base: nn.Linear, parts: list[tuple[str, int]], num_slots: int, max_rank: int
+    ) -> None:
+        """`parts`: the fused output's sub-projections in order, as (PEFT name, out features)."""
+        super().__init__()
+        self.base = base
+        self.names = [name for name, _ in parts]
+        self.rank = -(-max_rank // 8) * 8  # keeps every stride 16-byte aligned
+        w = base.weight
+        # Buffers, not parameters: state, not weights (the KV fingerprint samples weights).
+        self.register_buffer(
+            "lora_a",
+            torch.zeros(num_slots, w.shape[1], len(parts) * self.rank, dtype=w.dtype,
+                        device=w.device),
+        )  # fmt: skip
+        for j, (_, size) in enumerate(parts):
+            b = torch.zeros(num_slots, self.rank, size, dtype=w.dtype, device=w.device)
+            self.register_buffer(f"lora_b{j}", b)
+        ends = list(accumulate(size for _, size in parts))
+        self.spans = list(zip([0, *ends[:-1]], ends, strict=True))
+        self.used = [False] * num_slots  # slots holding an adapter that targets this module
+
+    def lora_b(self, j: int) -> torch.Tensor:
+        return getattr(self, f"lora_b{j}")
+
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Load one adapter's (A [r, in], B [out, r]) per sub-projection into `slot`; absent
+        sub-projections stay zero."""
+        self.lora_a[slot].zero_()
+        r = self.rank
+        for j, name in enumerate(self.names):
+            self.lora_b(j)[slot].zero_()
+            if name in weights:
+                a, b = weights[name]
+                k = a.shape[0]
+                self.lora_a[slot, :, j * r : j * r + k] = a.t()
+                self.lora_b(j)[slot, :k] = b.t()
+        self.used[slot] = bool(weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        batch = lora_batch()
+        if batch is None or not any(u and n for u, n in zip(self.used, batch.counts, strict=True)):
+            return out
+        h = segment_mm(x.index_select(0, batch.rows), self.lora_a, batch)
+        r = self.rank
+        for j, (start, end) in enumerate(self.spans):
+            delta = segment_mm(h[:, j * r : (j + 1) * r], self.lora_b(j), batch)
+            out[:, start:end].index_add_(0, batch.rows, delta)
+        return out
