@@ -88,6 +88,18 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench-results/kv-tiers", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_kv_restore)
 
+    p = bench.add_parser("multi-lora", help="throughput with 0, 1, 8, 64, 256 distinct adapters")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--adapters", default="0,1,8,64,256", help="distinct adapters per run")
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=64, help="compute slots")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--out", default="bench-results/multi-lora", help="folder for JSON and PNG")
+    p.set_defaults(func=cmd_multi_lora)
+
     p = bench.add_parser("roofline", help="this machine's decode upper bound for a model")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--context", type=int, default=1500, help="KV tokens per sequence")
@@ -373,6 +385,33 @@ def cmd_kv_restore(a: argparse.Namespace) -> int:
     print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
     print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
     print(restore_table(results))
+    return 0
+
+
+def cmd_multi_lora(a: argparse.Namespace) -> int:
+    from tutorserve.bench.multi_lora import run_multi_lora
+    from tutorserve.bench.report import markdown_table, median_run, plot
+
+    counts = [int(k) for k in a.adapters.split(",")]
+    if min(counts) < 0 or a.repeats < 1 or a.num_requests < 1:
+        raise ValueError("--adapters must be >= 0; --repeats and --num-requests >= 1")
+    opts = dict(dtype=a.dtype, max_num_seqs=64)
+    results = run_multi_lora(
+        a.model, counts, num_requests=a.num_requests, output_tokens=a.output_tokens,
+        rank=a.rank, max_loras=a.max_loras, repeats=a.repeats, engine_options=opts,
+    )  # fmt: skip
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dump = {k: [asdict(r) for r in v] for k, v in results.items()}
+    (out / "multi-lora.json").write_text(json.dumps(dump, indent=1))
+    plot(results, out / "multi-lora.png", f"multi-LoRA, {a.model}, rank {a.rank}")
+    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
+    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+    print(markdown_table(results))
+    if "no LoRA" in results:
+        base = median_run(results["no LoRA"]).output_tps
+        for name, runs in results.items():
+            print(f"- {name}: {median_run(runs).output_tps / base:.0%} of the no-LoRA throughput")
     return 0
 
 
