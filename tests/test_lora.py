@@ -169,3 +169,16 @@ def test_bad_adapters_are_refused_clearly(synth_llama, adapters, tmp_path):
     plain = LLM(synth_llama, dtype="float32")
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         plain.generate([[5, 6]], GREEDY, lora="lora0")
+
+
+def test_adapter_gone_from_disk_fails_only_its_request(synth_llama, adapters, tmp_path):
+    cfg = load_model_config(synth_llama)
+    doomed = synth_lora(tmp_path / "doomed", cfg, 4, seed=5)
+    llm = lora_llm(synth_llama, {"doomed": str(doomed), "lora1": adapters["lora1"]},
+                   max_loras=1, max_cpu_loras=1)  # fmt: skip
+    assert list(llm.engine.lora.ram) == ["lora1"]  # "doomed" is paged out to disk
+    (doomed / "adapter_model.safetensors").unlink()
+    bad, good = llm.generate([[5, 6, 7], [5, 6, 8]], GREEDY, lora=["doomed", "lora1"])
+    assert bad.finish_reason == "abort" and not bad.token_ids
+    assert good.finish_reason == "length" and len(good.token_ids) == GREEDY.max_tokens
+    llm.engine.kv.pool.check_integrity()

@@ -44,12 +44,21 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--warmup", type=int, default=1, help="number of warm-up runs")
+    p.add_argument("--max-loras", type=int, default=8, help="with LoRA requests in the workload")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-cpu-loras", type=int, default=64)
     return p.parse_args()
 
 
-def _run(engine, requests: list[dict], ignore_eos: bool, tag: str) -> tuple[float, list[dict]]:
-    """Run all requests at once; return the elapsed seconds and per-request timings."""
+def _run(
+    engine, requests: list[dict], ignore_eos: bool, tag: str, loras: dict[str, str]
+) -> tuple[float, list[dict]]:
+    """Run all requests at once; return the elapsed seconds and per-request timings. A request's
+    "lora" names one of the workload's `loras` (name → PEFT folder)."""
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    ids = {name: i + 1 for i, name in enumerate(sorted(loras))}
 
     first: dict[str, float] = {}
     done: dict[str, tuple[float, int]] = {}
@@ -59,7 +68,9 @@ def _run(engine, requests: list[dict], ignore_eos: bool, tag: str) -> tuple[floa
     )
     for i, (r, prompt) in enumerate(zip(requests, prompts, strict=True)):
         params = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=ignore_eos)
-        engine.add_request(f"{tag}-{i}", prompt, params)
+        name = r.get("lora")
+        lora = LoRARequest(name, ids[name], loras[name]) if name else None
+        engine.add_request(f"{tag}-{i}", prompt, params, lora_request=lora)
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = time.perf_counter()
@@ -93,6 +104,12 @@ def main() -> None:
         workload = json.load(f)
     requests = workload["requests"]
     ignore_eos = bool(workload.get("ignore_eos", True))
+    loras = workload.get("loras") or {}
+    lora_args = (
+        dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+             max_cpu_loras=args.max_cpu_loras)
+        if loras else {}
+    )  # fmt: skip
 
     engine_args = EngineArgs(
         model=args.model,
@@ -101,19 +118,24 @@ def main() -> None:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         disable_log_stats=True,
+        **lora_args,
     )
     engine = LLMEngine.from_engine_args(engine_args)
     try:
         for w in range(args.warmup):
             k = w + 1
+            # With LoRA, the warm-up uses only the first 8 requests' adapters, so the timed run
+            # still pages the others in, as it would for us.
+            first = [r.get("lora") for r in requests[:8]]
             rotated = [
-                {**r, "prompt_token_ids": r["prompt_token_ids"][k:] + r["prompt_token_ids"][:k]}
-                for r in requests
-            ]
-            _run(engine, rotated, ignore_eos, f"warmup{w}")
+                {**r, "prompt_token_ids": r["prompt_token_ids"][k:] + r["prompt_token_ids"][:k],
+                 "lora": first[i % len(first)]}
+                for i, r in enumerate(requests)
+            ]  # fmt: skip
+            _run(engine, rotated, ignore_eos, f"warmup{w}", loras)
         if args.enable_prefix_caching and not engine.reset_prefix_cache():
             log.warning("prefix cache reset failed")
-        elapsed, results = _run(engine, requests, ignore_eos, "run")
+        elapsed, results = _run(engine, requests, ignore_eos, "run", loras)
     finally:
         engine.engine_core.shutdown()
 

@@ -97,6 +97,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-loras", type=int, default=64, help="compute slots")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--vllm", action="store_true", help="also vLLM-CPU (all cores) with LoRA")
     p.add_argument("--out", default="bench-results/multi-lora", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_multi_lora)
 
@@ -396,9 +397,15 @@ def cmd_multi_lora(a: argparse.Namespace) -> int:
     if min(counts) < 0 or a.repeats < 1 or a.num_requests < 1:
         raise ValueError("--adapters must be >= 0; --repeats and --num-requests >= 1")
     opts = dict(dtype=a.dtype, max_num_seqs=64)
+    hf_dir = None
+    if a.vllm:
+        from tutorserve.models.registry import resolve
+
+        hf_dir = _hf_dir(a.model, resolve(a.model))
     results = run_multi_lora(
         a.model, counts, num_requests=a.num_requests, output_tokens=a.output_tokens,
         rank=a.rank, max_loras=a.max_loras, repeats=a.repeats, engine_options=opts,
+        vllm_model_dir=hf_dir,
     )  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

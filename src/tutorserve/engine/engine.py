@@ -167,6 +167,8 @@ class LLMEngine:
             request_id, ids, params, prompt=text, priority=priority, session_id=session_id
         )
         seq.lora, seq.cache_salt = lora, salt
+        if lora is not None:
+            self.lora.prefetch(lora)  # type: ignore[union-attr]
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -216,7 +218,11 @@ class LLMEngine:
         """One scheduling step; outputs of the requests that produced a token in it."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        failed = [self._fail(seq) for seq in self.scheduler.failed]
+        self.scheduler.failed.clear()
         if not batch.seqs:
+            if failed:
+                return failed
             if self.store is not None:  # maybe everyone waits on disk reads: don't spin
                 self.store.wait_for_reads(timeout=0.01)
             return []
@@ -227,6 +233,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.kv.cache_computed_blocks(seq)
         outputs = [self._append(seq, tok, now) for seq, tok in zip(samplers, tokens, strict=True)]
+        outputs += failed
         if self.step_log is not None:
             self.step_log.append(
                 StepRecord(
@@ -271,6 +278,11 @@ class LLMEngine:
         delta = text[stream.sent : end]
         stream.sent = end
         return self._output(seq, delta)
+
+    def _fail(self, seq: Sequence) -> RequestOutput:
+        """End a request the scheduler could not serve (finish reason "abort")."""
+        self._finish(seq, "abort", time.monotonic())
+        return self._output(seq, "")
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         seq.status = SequenceStatus.FINISHED

@@ -134,8 +134,11 @@ class ModelRunner:
         order = rows[np.argsort(slots[rows], kind="stable")]
         counts = np.bincount(slots[rows], minlength=self.num_lora_slots)
         dev = self.device
+        single = int(slots[0]) if len(rows) == len(slots) and (slots == slots[0]).all() else None
         return LoRABatch(
             rows=torch.as_tensor(order, device=dev),
             offsets=torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device=dev),
             counts=counts.tolist(),
+            row_slots=torch.as_tensor(np.where(slots >= 0, slots, self.num_lora_slots), device=dev),
+            single=single,
         )

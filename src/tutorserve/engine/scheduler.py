@@ -44,6 +44,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.failed: list[Sequence] = []  # taken out of the queue for the engine to end
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -144,6 +145,9 @@ class Scheduler:
                 i += 1
                 continue
             if not self._take_lora_slot(seq):
+                if seq in self.failed:
+                    i += 1
+                    continue
                 # Every slot serves running requests of other adapters. Skip it (it is charged a
                 # bypass as others go ahead) until it has been passed over `max_bypass` times;
                 # then admit nobody else, so slots drain and it goes next (vLLM's max-loras
@@ -178,7 +182,14 @@ class Scheduler:
     def _take_lora_slot(self, seq: Sequence) -> bool:
         if seq.lora is None or self.lora is None:
             return True
-        slot = self.lora.acquire(seq.lora)
+        try:
+            slot = self.lora.acquire(seq.lora)
+        except (ValueError, OSError) as e:  # its files changed on disk since it was loaded
+            log.error("request %s: cannot page in LoRA adapter %s: %s", seq.request_id,
+                      seq.lora, e)  # fmt: skip
+            self.failed.append(seq)
+            self.waiting.remove(seq)
+            return False
         if slot is None:
             return False
         seq.lora_slot = slot

@@ -18,6 +18,8 @@ from torch import nn
 
 from tutorserve.engine.context import LoRABatch, lora_batch
 
+GATHER_ROWS = 128  # steps up to this many tokens gather weights per row; larger ones segment
+
 
 def segment_mm(x: torch.Tensor, w: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
     """Rows of `x` in segment s times `w[s]`: [n, in] × [slots, in, out] → [n, out]."""
@@ -54,15 +56,17 @@ class LoRALinear(nn.Module):
         # Buffers, not parameters: state, not weights (the KV fingerprint samples weights).
         self.register_buffer(
             "lora_a",
-            torch.zeros(num_slots, w.shape[1], len(parts) * self.rank, dtype=w.dtype,
+            torch.zeros(num_slots + 1, w.shape[1], len(parts) * self.rank, dtype=w.dtype,
                         device=w.device),
         )  # fmt: skip
         for j, (_, size) in enumerate(parts):
-            b = torch.zeros(num_slots, self.rank, size, dtype=w.dtype, device=w.device)
+            b = torch.zeros(num_slots + 1, self.rank, size, dtype=w.dtype, device=w.device)
             self.register_buffer(f"lora_b{j}", b)
         ends = list(accumulate(size for _, size in parts))
         self.spans = list(zip([0, *ends[:-1]], ends, strict=True))
-        self.used = [False] * num_slots  # slots holding an adapter that targets this module
+        # Slots holding an adapter that targets this module. The extra last slot stays zero:
+        # tokens without an adapter gather it.
+        self.used = [False] * num_slots
 
     def lora_b(self, j: int) -> torch.Tensor:
         return getattr(self, f"lora_b{j}")
@@ -86,9 +90,22 @@ class LoRALinear(nn.Module):
         batch = lora_batch()
         if batch is None or not any(u and n for u, n in zip(self.used, batch.counts, strict=True)):
             return out
-        h = segment_mm(x.index_select(0, batch.rows), self.lora_a, batch)
         r = self.rank
-        for j, (start, end) in enumerate(self.spans):
-            delta = segment_mm(h[:, j * r : (j + 1) * r], self.lora_b(j), batch)
-            out[:, start:end].index_add_(0, batch.rows, delta)
+        if batch.single is not None:  # one adapter for every token: plain matmuls
+            h = x @ self.lora_a[batch.single]
+            for j, (start, end) in enumerate(self.spans):
+                out[:, start:end] += h[:, j * r : (j + 1) * r] @ self.lora_b(j)[batch.single]
+        elif x.shape[0] <= GATHER_ROWS:
+            # Decode-sized steps: each row gathers its own adapter's weights (Punica's BGMV);
+            # rows without one gather the zero slot. Cheaper than sorting rows into segments.
+            slots = batch.row_slots
+            h = torch.bmm(x.unsqueeze(1), self.lora_a[slots])
+            for j, (start, end) in enumerate(self.spans):
+                delta = torch.bmm(h[:, :, j * r : (j + 1) * r], self.lora_b(j)[slots])
+                out[:, start:end] += delta.squeeze(1)
+        else:  # prefill-sized: one grouped matmul over each adapter's segment of rows (SGMV)
+            h = segment_mm(x.index_select(0, batch.rows), self.lora_a[:-1], batch)
+            for j, (start, end) in enumerate(self.spans):
+                delta = segment_mm(h[:, j * r : (j + 1) * r], self.lora_b(j)[:-1], batch)
+                out[:, start:end].index_add_(0, batch.rows, delta)
         return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from torch import nn
@@ -60,6 +61,9 @@ class LoRAManager:
         self._tick = 0
         self.num_slot_loads = 0
         self.num_disk_loads = 0
+        # Disk → host RAM reads start when a request arrives, ahead of its scheduling.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+        self._reading: dict[str, Future[LoRAAdapter]] = {}
 
     @property
     def num_slots(self) -> int:
@@ -90,6 +94,7 @@ class LoRAManager:
             self.slots[slot] = None
         del self.paths[name], self.fingerprints[name]
         self.ram.pop(name, None)
+        self._reading.pop(name, None)
 
     def acquire(self, name: str) -> int | None:
         """A slot holding `name` for one more request, loading it if needed; None when every
@@ -108,13 +113,26 @@ class LoRAManager:
         self.last_used[slot] = self._tick
         return slot
 
+    def prefetch(self, name: str) -> None:
+        """Start reading `name` back into host RAM if it was paged out (a request for it just
+        arrived), so that taking a slot later is a memory copy."""
+        if name in self.ram or name in self._reading or name in self.slots:
+            return
+        self._reading[name] = self._reader.submit(
+            load_adapter, name, self.paths[name], self.base, self.max_rank
+        )
+
     def release(self, slot: int) -> None:
         self.refs[slot] -= 1
 
     def _load(self, slot: int, name: str) -> None:
         adapter = self.ram.get(name)
-        if adapter is None:  # paged out of host RAM: read it again
-            adapter = load_adapter(name, self.paths[name], self.base, self.max_rank)
+        if adapter is None:  # paged out of host RAM: use the prefetch, or read it now
+            reading = self._reading.pop(name, None)
+            if reading is not None:
+                adapter = reading.result()
+            else:
+                adapter = load_adapter(name, self.paths[name], self.base, self.max_rank)
             self.num_disk_loads += 1
         self._keep_in_ram(adapter)
         for (layer, _), wrapped in self.modules.items():
