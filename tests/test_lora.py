@@ -182,3 +182,14 @@ def test_adapter_gone_from_disk_fails_only_its_request(synth_llama, adapters, tm
     assert bad.finish_reason == "abort" and not bad.token_ids
     assert good.finish_reason == "length" and len(good.token_ids) == GREEDY.max_tokens
     llm.engine.kv.pool.check_integrity()
+
+
+def test_qwen2_with_biases_matches_peft(synth_qwen2, tmp_path, hf_greedy):
+    cfg = load_model_config(synth_qwen2)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    path = str(synth_lora(tmp_path / "qwen", cfg, 8, targets, seed=4, strength=1.5))
+    prompt = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 3]
+    model = AutoModelForCausalLM.from_pretrained(synth_qwen2, dtype=torch.float32)
+    want = hf_greedy(PeftModel.from_pretrained(model, path).eval(), prompt, GREEDY.max_tokens)
+    llm = lora_llm(synth_qwen2, {"qwen": path})
+    assert llm.generate(prompt, GREEDY, lora="qwen")[0].token_ids == want[0]

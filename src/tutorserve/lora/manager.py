@@ -115,9 +115,12 @@ class LoRAManager:
 
     def prefetch(self, name: str) -> None:
         """Start reading `name` back into host RAM if it was paged out (a request for it just
-        arrived), so that taking a slot later is a memory copy."""
+        arrived), so that taking a slot later is a memory copy. At most a step's worth of
+        adapters are read ahead, which bounds the RAM they hold outside `max_cpu_loras`."""
         if name in self.ram or name in self._reading or name in self.slots:
             return
+        if len(self._reading) >= self.num_slots:
+            return  # read when its request is admitted instead
         self._reading[name] = self._reader.submit(
             load_adapter, name, self.paths[name], self.base, self.max_rank
         )
