@@ -143,7 +143,7 @@ def test_bad_adapters_are_refused_clearly(synth_llama, adapters, tmp_path):
     cfg = load_model_config(synth_llama)
     # rank above the limit
     big = synth_lora(tmp_path / "big", cfg, 32, seed=9)
-    with pytest.raises(ValueError, match="rank 32 outside 1..16"):
+    with pytest.raises(ValueError, match=r"rank 32 outside 1\.\.16"):
         llm.load_lora("big", str(big))
     # shapes of another base model
     other = synth_lora(tmp_path / "other", cfg, 4, seed=9)
