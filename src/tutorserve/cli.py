@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from tutorserve.models.registry import DEFAULT_MODEL
@@ -239,6 +240,13 @@ def cmd_synth_lora(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit_bkt(a: argparse.Namespace) -> int:
+    from tutorserve.tutor.fit import fit_and_report
+
+    print(fit_and_report(a.data, a.out, a.test_fraction, a.iterations, a.forgetting, a.seed))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tutorserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -306,6 +314,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strength", type=float, default=0.5, help="update size relative to input")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_synth_lora)
+
+    tutor = sub.add_parser("tutor", help="the tutoring layer").add_subparsers(
+        dest="tutor", required=True
+    )
+    p = tutor.add_parser("fit-bkt", help="fit BKT by EM on answer logs; AUC/RMSE on held-out users")
+    p.add_argument(
+        "--data",
+        default=str(
+            Path(__file__).resolve().parents[3]
+            / "shared/data/assistments/builder_train_preprocessed.csv"
+        ),
+        help="CSV with user_id, skill_name, correct (default: ../shared's ASSISTments export)",
+    )
+    p.add_argument("--test-fraction", type=float, default=0.2, help="users held out")
+    p.add_argument("--iterations", type=int, default=30)
+    p.add_argument("--forgetting", action="store_true", help="also fit a forget probability")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results/bkt", help="folder for JSON and PNG")
+    p.set_defaults(func=cmd_fit_bkt)
 
     from tutorserve.bench.cli import add_bench_parser
 
