@@ -103,9 +103,11 @@ def test_fit_bkt_command_on_a_small_log(tmp_path):
     assert bad.returncode == 2 and "no answer log" in bad.stderr
 
 
-@pytest.mark.skipif(not ASSISTMENTS.is_dir(), reason="../shared/data/assistments is absent")
 def test_bkt_predicts_held_out_assistments_users(tmp_path):
     from tutorserve.tutor.fit import fit_and_report
+
+    # CI always has ../shared next to the checkout; without it this test fails, never skips.
+    assert ASSISTMENTS.is_dir(), f"{ASSISTMENTS} is missing: check out ../shared beside the repo"
 
     fit_and_report(str(ASSISTMENTS / "builder_train_preprocessed.csv"), str(tmp_path), 0.2, 15,
                    False, 0)  # fmt: skip
