@@ -63,6 +63,7 @@ class LoRABatch:
     rows: torch.Tensor  # [n] token rows using an adapter, ordered by slot
     offsets: torch.Tensor  # [num_slots] int32 end of each slot's segment in `rows`
     counts: list[int]  # rows per slot
+    slots: list[int]  # the slots with rows this step (few: the step's distinct adapters)
     row_slots: torch.Tensor  # [num_tokens] each token's slot; num_slots (a zero slot) if none
     single: int | None  # the slot, when every token of the step uses that one adapter
 

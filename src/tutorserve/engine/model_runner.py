@@ -139,6 +139,7 @@ class ModelRunner:
             rows=torch.as_tensor(order, device=dev),
             offsets=torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device=dev),
             counts=counts.tolist(),
+            slots=np.flatnonzero(counts).tolist(),
             row_slots=torch.as_tensor(np.where(slots >= 0, slots, self.num_lora_slots), device=dev),
             single=single,
         )

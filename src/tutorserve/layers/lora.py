@@ -28,10 +28,10 @@ def segment_mm(x: torch.Tensor, w: torch.Tensor, batch: LoRABatch) -> torch.Tens
     # Elsewhere (grouped GEMM on CUDA needs recent GPUs and alignments): one matmul per slot
     # that has rows, still not one per request.
     parts, start = [], 0
-    for slot, n in enumerate(batch.counts):
-        if n:
-            parts.append(x[start : start + n] @ w[slot])
-            start += n
+    for slot in batch.slots:
+        n = batch.counts[slot]
+        parts.append(x[start : start + n] @ w[slot])
+        start += n
     return torch.cat(parts)
 
 
@@ -88,7 +88,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         batch = lora_batch()
-        if batch is None or not any(u and n for u, n in zip(self.used, batch.counts, strict=True)):
+        if batch is None or not any(self.used[s] for s in batch.slots):
             return out
         r = self.rank
         if batch.single is not None:  # one adapter for every token: plain matmuls
