@@ -14,13 +14,23 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tutorserve.models.synth import SynthSpec, synth_model
 
-# CLI subprocesses default to a disk tier under ~/.cache; tests keep theirs in a temporary folder.
+# CLI subprocesses default to a disk tier and a tutor store in the home folder; tests keep
+# theirs in temporary folders.
 os.environ["TUTORSERVE_KV_DIR"] = tempfile.mkdtemp(prefix="tutorserve-kv-")
+os.environ["TUTORSERVE_DATA_DIR"] = tempfile.mkdtemp(prefix="tutorserve-data-")
 
 
 @pytest.fixture(scope="session")
 def synth_llama(tmp_path_factory):
     return str(synth_model(tmp_path_factory.mktemp("llama"), SynthSpec(arch="llama")))
+
+
+@pytest.fixture(scope="session")
+def synth_llama_long(tmp_path_factory):
+    """A tiny llama with room for a tutor prompt (the course material is a few thousand of its
+    byte-level tokens)."""
+    spec = SynthSpec(arch="llama", max_position_embeddings=8192, seed=2)
+    return str(synth_model(tmp_path_factory.mktemp("llama-long"), spec))
 
 
 @pytest.fixture(scope="session")
@@ -98,6 +108,8 @@ def _free_port() -> int:
 
 
 def start_server(model: str, *args: str, env: dict[str, str] | None = None) -> LiveServer:
+    """A server on `model`; its tutor store and disk tier live in fresh temporary folders
+    unless `env` names them (a restart test does)."""
     port = _free_port()
     cmd = [
         sys.executable,
@@ -117,8 +129,11 @@ def start_server(model: str, *args: str, env: dict[str, str] | None = None) -> L
         *args,
     ]
     log = tempfile.TemporaryFile()  # noqa: SIM115 (the server outlives this function)
-    # Each server gets its own disk tier unless the test names one (a restart test does).
-    env = {"TUTORSERVE_KV_DIR": tempfile.mkdtemp(prefix="kv-"), **(env or {})}
+    env = {
+        "TUTORSERVE_KV_DIR": tempfile.mkdtemp(prefix="kv-"),
+        "TUTORSERVE_DATA_DIR": tempfile.mkdtemp(prefix="tutor-"),
+        **(env or {}),
+    }
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
     server = LiveServer(f"http://127.0.0.1:{port}", "tiny", proc)
     deadline = time.monotonic() + 120

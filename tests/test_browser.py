@@ -1,4 +1,5 @@
-"""The tutor page (`/`) in a real headless Chromium, driven by Playwright.
+"""The tutor page (`/`) and the plain chat page (`/chat`) in a real headless Chromium, driven
+by Playwright.
 
 Uses Debian's Chromium at /usr/bin/chromium (the Makefile installs it); never a Playwright
 browser download. A missing browser fails these tests rather than skipping them.
@@ -104,7 +105,7 @@ def _ask_and_check_stream(page: Page, text: str) -> str:
 def test_page_streams_a_reply(page: Page, live_server: LiveServer) -> None:
     console_errors: list[str] = []
     page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
-    page.goto(live_server.url + "/")
+    page.goto(live_server.url + "/chat")
     expect(page.locator("#model")).to_have_text(live_server.model)
     expect(page.locator("#key")).to_be_hidden()
     expect(page.locator("#input")).to_be_focused()
@@ -114,7 +115,7 @@ def test_page_streams_a_reply(page: Page, live_server: LiveServer) -> None:
 
 
 def test_page_asks_for_the_api_key(page: Page, keyed_server: LiveServer) -> None:
-    page.goto(keyed_server.url + "/")
+    page.goto(keyed_server.url + "/chat")
     key_bar = page.locator("#key")
     expect(key_bar).to_be_visible()
     expect(page.locator("#key-input")).to_be_focused()
@@ -146,3 +147,60 @@ def test_page_asks_for_the_api_key(page: Page, keyed_server: LiveServer) -> None
     page.reload()
     expect(page.locator("#model")).to_have_text(keyed_server.model)
     expect(key_bar).to_be_hidden()
+
+
+@pytest.fixture(scope="module")
+def tutor_server(synth_llama_long: str) -> Iterator[LiveServer]:
+    server = start_server(synth_llama_long)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _answer(page: Page, text: str, level: str) -> None:
+    """Send `text`; the reply streams, ends with the ladder badge `level`, and has no error."""
+    before = page.locator("#log .msg.assistant").count()
+    page.locator("#input").fill(text)
+    with page.expect_response("**/turns"):
+        page.locator("#input").press("Enter")
+    reply = page.locator("#log .msg.assistant").nth(before)
+    expect(reply).to_have_attribute("data-done", "true", timeout=60_000)
+    expect(reply.locator(".badge")).to_have_text(level)
+    expect(reply.locator(".body")).not_to_be_empty()
+    expect(page.locator(".msg.error")).to_have_count(0)
+    growth = page.evaluate("window.__growth")
+    assert any(g["streaming"] and g["len"] > 0 for g in growth), "nothing showed while streaming"
+
+
+def _mastery(page: Page, kc: str) -> float:
+    return float(page.locator(f'#mastery .kc[data-kc="{kc}"]').get_attribute("data-p") or "nan")
+
+
+def test_tutor_page_climbs_the_ladder_and_moves_the_mastery_bars(
+    page: Page, tutor_server: LiveServer
+) -> None:
+    page.goto(tutor_server.url + "/")
+    expect(page.locator("#model")).to_have_text(tutor_server.model)
+    page.locator("#learner").fill("playwright")
+    page.locator('.course[data-course="algebra"]').click()
+    expect(page.locator("#problem")).to_contain_text("x^2 - 5x + 6 = 0")
+    expect(page.locator('.course[data-course="algebra"]')).to_have_attribute("aria-pressed", "true")
+    bar = page.locator('#mastery .kc[data-kc="factoring"]')
+    expect(bar.locator(".pct")).to_have_text(f"{round(_mastery(page, 'factoring') * 100)}%")
+    start = _mastery(page, "factoring")
+
+    _answer(page, "x = 1 or x = 6", "hint")
+    after_one = _mastery(page, "factoring")
+    assert after_one < start
+    expect(bar.locator(".errs")).to_have_text("1 attempt, 1 error")
+    _answer(page, "x = 5", "guiding question")
+    assert _mastery(page, "factoring") < after_one
+    width = bar.locator(".fill").evaluate("e => e.style.width")
+    assert width == f"{round(_mastery(page, 'factoring') * 100)}%"
+
+    _answer(page, "x = 2 or x = 3", "confirmation")
+    assert _mastery(page, "factoring") > after_one
+    expect(page.locator("#problem")).not_to_contain_text("x^2 - 5x + 6 = 0")
+    # Each encouragement sits under its own reply, though it arrives after the final event.
+    expect(page.locator("#log .msg.assistant + .engage")).to_have_count(3)

@@ -94,6 +94,21 @@ def test_serve_refuses_bad_options(synth_llama, live_server, tmp_path):
     blocker.write_text("")
     r = run("serve", "--model", synth_llama, "--kv-disk-dir", str(blocker / "kv"))
     assert r.returncode == 2 and "KV disk tier folder" in r.stderr
+    r = run("serve", "--model", synth_llama, "--courses", str(tmp_path / "no-such-course"))
+    assert r.returncode == 2 and "course folder" in r.stderr and "does not exist" in r.stderr
+    r = run("serve", "--model", synth_llama, "--tutor-db", "nonsense://x")
+    assert r.returncode == 2 and "tutor store" in r.stderr
     port = live_server.url.rsplit(":", 1)[1]
     r = run("serve", "--model", synth_llama, "--num-kv-blocks", "64", "--port", port)
     assert r.returncode != 0 and "address already in use" in r.stderr
+
+
+def test_check_course_validates_course_folders(tmp_path):
+    from tutorserve.tutor.courses import BUILTIN
+
+    r = run("tutor", "check-course", str(BUILTIN / "algebra"), str(BUILTIN / "english-b1"))
+    assert r.returncode == 0, r.stderr
+    assert "course 'algebra' (math) is valid: 5 KCs" in r.stdout
+    assert "CEFR levels A2, B1" in r.stdout
+    r = run("tutor", "check-course", str(tmp_path))
+    assert r.returncode == 2 and f"error: {tmp_path / 'course.yaml'} is missing" in r.stderr

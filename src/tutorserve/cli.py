@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,40 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=8, help="adapters usable in one step")
     g.add_argument("--max-lora-rank", type=int, default=16)
     g.add_argument("--max-cpu-loras", type=int, default=64, help="adapters kept in host RAM")
+
+
+def add_tutor_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tutor")
+    g.add_argument("--no-tutor", action="store_true", help="serve only the OpenAI API and chat")
+    g.add_argument(
+        "--courses",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a course folder, or a folder of them, besides the built-in ones (repeatable)",
+    )
+    g.add_argument(
+        "--tutor-db",
+        default=None,
+        metavar="URL",
+        help="SQLAlchemy URL for learners and sessions (default: SQLite under "
+        "$TUTORSERVE_DATA_DIR or ~/.local/share/tutorserve; postgresql+psycopg://... works)",
+    )
+    g.add_argument(
+        "--tutor-llm-url",
+        default=None,
+        metavar="URL",
+        help="OpenAI-compatible base URL (…/v1) for the tutor's agents; default: this engine",
+    )
+    g.add_argument("--tutor-llm-model", default=None, help="model name at --tutor-llm-url")
+    g.add_argument("--tutor-llm-key", default=None, help="API key for --tutor-llm-url")
+    g.add_argument(
+        "--otel",
+        default="off",
+        choices=["off", "console", "otlp"],
+        help="OpenTelemetry spans per tutor agent",
+    )
+    g.add_argument("--otel-endpoint", default=None, help="OTLP/HTTP endpoint (…/v1/traces)")
 
 
 def engine_options(a: argparse.Namespace) -> dict[str, Any]:
@@ -186,6 +221,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if not 0 <= a.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     api_key = a.api_key or os.environ.get("TUTORSERVE_API_KEY") or None
+    make_tutor = _tutor_service(a)
     engine = LLMEngine(EngineConfig.from_kwargs(model=a.model, **engine_options(a)))
     server = AsyncEngine(
         engine, max_waiting=a.max_waiting, max_requests_per_user=a.max_requests_per_user
@@ -196,7 +232,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         allowed_origins=a.allowed_origins,
         max_body_bytes=a.max_body_bytes,
     )
-    app = build_app(server, settings)
+    tutor = make_tutor(server, settings.model_name) if make_tutor else None
+    app = build_app(server, settings, tutor)
     host = f"[{a.host}]" if ":" in a.host else a.host
     log.info(
         "serving %s at http://%s:%d/ (tutor page; OpenAI API under /v1)%s",
@@ -207,6 +244,33 @@ def cmd_serve(a: argparse.Namespace) -> int:
     )
     uvicorn.run(app, host=a.host, port=a.port, log_level="info" if a.verbose else "warning")
     return 0
+
+
+def _tutor_service(a: argparse.Namespace) -> Callable[[Any, str], Any] | None:
+    """Courses, store and tracing are checked before the model loads (a typo in --courses
+    should not cost a model load); the service itself needs the engine, so it comes back as a
+    function of it."""
+    if a.no_tutor:
+        return None
+    from tutorserve.tutor.courses import load_courses
+    from tutorserve.tutor.llm_client import EngineLLM, OpenAILLM
+    from tutorserve.tutor.service import TutorService
+    from tutorserve.tutor.store import TutorStore
+    from tutorserve.tutor.tracing import setup_tracing
+
+    courses = load_courses(a.courses)
+    store = TutorStore(a.tutor_db)
+    setup_tracing(a.otel, a.otel_endpoint)
+
+    def build(server: Any, model_name: str) -> TutorService:
+        if a.tutor_llm_url:
+            llm = OpenAILLM(a.tutor_llm_url, a.tutor_llm_model or model_name, a.tutor_llm_key)
+        else:
+            llm = EngineLLM(server, model_name)
+        log.info("tutor: %d courses (%s), model %s", len(courses), ", ".join(courses), llm.name)
+        return TutorService(courses, store, llm)
+
+    return build
 
 
 def cmd_synth_model(a: argparse.Namespace) -> int:
@@ -237,6 +301,19 @@ def cmd_synth_lora(a: argparse.Namespace) -> int:
     base = load_model_config(a.base)
     out = synth_lora(a.out, base, a.rank, targets, a.alpha, a.seed, a.base, a.strength)
     print(f"wrote a rank-{a.rank} LoRA adapter for {a.base} ({', '.join(targets)}) to {out}")
+    return 0
+
+
+def cmd_check_course(a: argparse.Namespace) -> int:
+    from tutorserve.tutor.courses import load_course
+
+    for folder in a.folders:
+        c = load_course(folder)
+        cefr = sorted({k.cefr for k in c.kcs if k.cefr})
+        print(
+            f"{folder}: course {c.id!r} ({c.subject}) is valid: {len(c.kcs)} KCs, "
+            f"{len(c.problems)} problems" + (f", CEFR levels {', '.join(cefr)}" if cefr else "")
+        )
     return 0
 
 
@@ -289,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
     add_engine_args(p)
+    add_tutor_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("synth-model", help="write a random-init HF checkpoint + tokenizer")
@@ -318,6 +396,10 @@ def build_parser() -> argparse.ArgumentParser:
     tutor = sub.add_parser("tutor", help="the tutoring layer").add_subparsers(
         dest="tutor", required=True
     )
+    p = tutor.add_parser("check-course", help="validate course folders (as the server would)")
+    p.add_argument("folders", nargs="+", metavar="DIR")
+    p.set_defaults(func=cmd_check_course)
+
     p = tutor.add_parser("fit-bkt", help="fit BKT by EM on answer logs; AUC/RMSE on held-out users")
     p.add_argument(
         "--data",

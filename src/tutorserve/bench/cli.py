@@ -101,6 +101,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench-results/multi-lora", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_multi_lora)
 
+    p = bench.add_parser("tutor", help="tutoring turns: critical path vs sum of steps, guard use")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--students", type=int, default=4, help="concurrent students per course")
+    p.add_argument("--problems", type=int, default=3, help="problems each student works through")
+    p.add_argument("--out", default="bench-results/tutor")
+    p.set_defaults(func=cmd_tutor)
+
     p = bench.add_parser("roofline", help="this machine's decode upper bound for a model")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--context", type=int, default=1500, help="KV tokens per sequence")
@@ -419,6 +427,32 @@ def cmd_multi_lora(a: argparse.Namespace) -> int:
         base = median_run(results["no LoRA"]).output_tps
         for name, runs in results.items():
             print(f"- {name}: {median_run(runs).output_tps / base:.0%} of the no-LoRA throughput")
+    return 0
+
+
+def cmd_tutor(a: argparse.Namespace) -> int:
+    from tutorserve.bench.tutor_turns import (
+        as_json,
+        plot,
+        run_tutor_bench,
+        step_table,
+        summary_table,
+    )
+
+    if a.students < 1 or a.problems < 1:
+        raise ValueError("--students and --problems must be at least 1")
+    samples, cache = run_tutor_bench(a.model, a.students, a.problems, {"dtype": a.dtype})
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tutor.json").write_text(json.dumps(as_json(samples, cache), indent=1))
+    plot(samples, out / "tutor.png")
+    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
+    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+    print(summary_table(samples))
+    print()
+    print(step_table(samples))
+    hit = cache["prefix_hit_tokens"] / max(1, cache["prompt_tokens"])
+    print(f"\nprefix cache: {hit:.1%} of {cache['prompt_tokens']} prompt tokens served from cache")
     return 0
 
 

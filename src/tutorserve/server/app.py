@@ -31,9 +31,14 @@ from tutorserve.server.protocol import (
     error_body,
 )
 from tutorserve.server.serving import APIError, OpenAIServing
+from tutorserve.tutor.api import tutor_router
+from tutorserve.tutor.service import TutorService
 
 log = logging.getLogger(__name__)
-_PAGE = files("tutorserve.server").joinpath("static/index.html").read_text("utf-8")
+_STATIC = files("tutorserve.server").joinpath("static")
+_TUTOR_PAGE = _STATIC.joinpath("tutor.html").read_text("utf-8")
+_CHAT_PAGE = _STATIC.joinpath("chat.html").read_text("utf-8")
+_CLIENT_JS = _STATIC.joinpath("client.js").read_text("utf-8")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
@@ -138,13 +143,17 @@ def _param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def build_app(server: AsyncEngine, settings: ServerSettings) -> FastAPI:
+def build_app(
+    server: AsyncEngine, settings: ServerSettings, tutor: TutorService | None = None
+) -> FastAPI:
     serving = OpenAIServing(server, settings.model_name)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
         await server.start()
         yield
+        if tutor is not None:
+            await tutor.close()  # turns in flight still assess and store their answer
         await server.stop()
 
     # No /docs: Swagger UI loads its assets from a CDN, which a closed network cannot reach.
@@ -257,8 +266,19 @@ def build_app(server: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
+    if tutor is not None:
+        app.include_router(tutor_router(tutor))
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:
-        return HTMLResponse(_PAGE)
+        return HTMLResponse(_TUTOR_PAGE if tutor is not None else _CHAT_PAGE)
+
+    @app.get("/chat", response_class=HTMLResponse, include_in_schema=False)
+    async def chat_page() -> HTMLResponse:
+        return HTMLResponse(_CHAT_PAGE)
+
+    @app.get("/static/client.js", include_in_schema=False)
+    async def client_js() -> Response:
+        return Response(_CLIENT_JS, media_type="text/javascript")
 
     return app

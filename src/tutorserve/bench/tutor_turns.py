@@ -1,0 +1,173 @@
+"""Tutoring turns end to end on the real engine, in process: simulated students answer each
+problem wrongly twice (an authored misconception, then another wrong value) and then rightly.
+
+Per turn it records the critical path (what the student waits for: diagnose ∥ retrieve →
+explain → assess) against the sum of all five steps, engage included (what running them one
+after another would cost); which rung of the ladder was used; whether the model's own reply
+reached the student or the guard replaced it with the authored text; and the share of prompt
+tokens the prefix cache served (every prompt of a course starts with the same course prefix).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from tutorserve.config import EngineConfig
+from tutorserve.engine.engine import LLMEngine
+from tutorserve.server.async_engine import AsyncEngine
+from tutorserve.tutor.courses import Course, Problem, load_courses
+from tutorserve.tutor.llm_client import EngineLLM
+from tutorserve.tutor.service import CRITICAL_STEPS, TutorService
+from tutorserve.tutor.store import TutorStore
+
+
+@dataclass(slots=True)
+class TurnSample:
+    course: str
+    student: int
+    level: int
+    model_reply_used: bool
+    critical_path_ms: float
+    sum_of_steps_ms: float
+    steps_ms: dict[str, float]
+    reply: str
+
+
+def _answers(problem: Problem) -> list[str]:
+    wrong = [m.answer for m in problem.misconceptions] + ["41", "seventeen"]
+    if problem.answer_type == "numeric":
+        wrong[1:] = ["x = 41"]
+    return [wrong[0], wrong[1], problem.answer]
+
+
+async def _student(
+    service: TutorService, course: Course, student: int, problems: int, bar: tqdm
+) -> list[TurnSample]:
+    session = await service.start_session(f"bench-{course.id}-{student}", course.id)
+    pid = session["problem"]["id"]
+    out = []
+    for _ in range(problems):
+        for message in _answers(course.problem[pid]):
+            ctx = await service.prepare_turn(session["id"], message)
+            events = {e["event"]: e async for e in service.run_turn(ctx)}
+            final, engage_ms = events["final"], events["engage"]["duration_ms"]
+            steps = final["timing"]["steps"]
+            out.append(
+                TurnSample(
+                    course=course.id,
+                    student=student,
+                    level=final["ladder_level"],
+                    model_reply_used="explain" not in final["fallbacks"],
+                    critical_path_ms=final["timing"]["critical_path_ms"],
+                    sum_of_steps_ms=final["timing"]["sum_of_steps_ms"] + engage_ms,
+                    steps_ms={n: s["end_ms"] - s["start_ms"] for n, s in steps.items()}
+                    | {"engage": engage_ms},
+                    reply=final["reply"],
+                )
+            )
+            bar.update()
+        if final["next_problem"] is None:
+            break
+        pid = final["next_problem"]["id"]
+    return out
+
+
+async def _run(
+    model: str, students: int, problems: int, options: dict[str, Any]
+) -> tuple[list[TurnSample], dict[str, int]]:
+    engine = LLMEngine(EngineConfig.from_kwargs(model=model, **options))
+    server = AsyncEngine(engine)
+    await server.start()
+    courses = load_courses()
+    with tempfile.TemporaryDirectory() as d:
+        store = TutorStore(f"sqlite:///{d}/bench.db")
+        service = TutorService(courses, store, EngineLLM(server, model))
+        total = len(courses) * students * problems * 3
+        try:
+            with tqdm(total=total, desc="tutor turns", unit="turn") as bar:
+                runs = await asyncio.gather(
+                    *(
+                        _student(service, c, i, problems, bar)
+                        for c in courses.values()
+                        for i in range(students)
+                    )
+                )
+        finally:
+            await service.close()
+            await server.stop()
+    kv = engine.kv
+    cache = {"prompt_tokens": kv.prefix_query_tokens, "prefix_hit_tokens": kv.prefix_hit_tokens}
+    return [s for run in runs for s in run], cache
+
+
+def run_tutor_bench(
+    model: str, students: int, problems: int, options: dict[str, Any]
+) -> tuple[list[TurnSample], dict[str, int]]:
+    return asyncio.run(_run(model, students, problems, options))
+
+
+def summary_table(samples: list[TurnSample]) -> str:
+    rows = [
+        "| rung | turns | model reply used | critical path, median ms | sum of steps, median ms "
+        "| saved by the graph |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = {0: "0 confirmation", 1: "1 hint", 2: "2 guiding question", 3: "3 correction"}
+    for level in sorted({s.level for s in samples}):
+        group = [s for s in samples if s.level == level]
+        crit = statistics.median(s.critical_path_ms for s in group)
+        total = statistics.median(s.sum_of_steps_ms for s in group)
+        used = sum(s.model_reply_used for s in group) / len(group)
+        rows.append(
+            f"| {names[level]} | {len(group)} | {used:.0%} | {crit:.0f} | {total:.0f} | "
+            f"{1 - crit / total:.1%} |"
+        )
+    return "\n".join(rows)
+
+
+def step_table(samples: list[TurnSample]) -> str:
+    rows = ["| step | median ms | p90 ms |", "|---|---|---|"]
+    for step in (*CRITICAL_STEPS, "engage"):
+        values = sorted(s.steps_ms[step] for s in samples if step in s.steps_ms)
+        if values:
+            p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
+            rows.append(f"| {step} | {statistics.median(values):.0f} | {p90:.0f} |")
+    return "\n".join(rows)
+
+
+def plot(samples: list[TurnSample], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for level, color in zip(range(4), ("#2e9d5b", "#2f6fde", "#d98a1c", "#8a1c1c"), strict=True):
+        group = [s for s in samples if s.level == level]
+        if group:
+            left.scatter([s.sum_of_steps_ms / 1e3 for s in group],
+                         [s.critical_path_ms / 1e3 for s in group],
+                         s=14, color=color, label=f"rung {level}")  # fmt: skip
+    top = max(s.sum_of_steps_ms for s in samples) / 1e3
+    left.plot([0, top], [0, top], color="#999", lw=1, ls="--", label="no parallelism")
+    left.set(xlabel="sum of all steps (s)", ylabel="critical path (s)", title="per turn")
+    left.legend(fontsize=8)
+    steps = [st for st in (*CRITICAL_STEPS, "engage") if any(st in s.steps_ms for s in samples)]
+    medians = [statistics.median(s.steps_ms[st] for s in samples if st in s.steps_ms) / 1e3
+               for st in steps]  # fmt: skip
+    right.barh(steps[::-1], medians[::-1], color="#2f6fde")
+    right.set(xlabel="median duration (s)", title="per agent (engage runs after the reply)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def as_json(samples: list[TurnSample], cache: dict[str, int]) -> dict[str, Any]:
+    return {"turns": [asdict(s) for s in samples], "prefix_cache": cache}

@@ -1,0 +1,104 @@
+"""One chat-model interface for the tutor's agents: our in-process engine, or any
+OpenAI-compatible server (vLLM, a hosted API, another tutorserve) by base URL.
+
+Both stream text deltas; leaving the iteration early aborts the generation (the engine frees the
+request's KV blocks; the HTTP client closes the stream), which the answer-leak guard relies on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from tutorserve.sampling_params import SamplingParams
+from tutorserve.server.async_engine import AsyncEngine
+
+Messages = list[dict[str, str]]
+
+
+class ChatLLM(Protocol):
+    name: str
+
+    def stream(
+        self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None
+    ) -> AsyncIterator[str]: ...
+
+
+async def complete(
+    llm: ChatLLM,
+    messages: Messages,
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    session_id: str | None = None,
+) -> str:
+    parts = [
+        d
+        async for d in llm.stream(
+            messages, max_tokens=max_tokens, temperature=temperature, session_id=session_id
+        )
+    ]
+    return "".join(parts)
+
+
+class EngineLLM:
+    """The engine this server runs, without an HTTP hop."""
+
+    def __init__(self, server: AsyncEngine, name: str, lora: str | None = None) -> None:
+        self.server = server
+        self.name = name
+        self.lora = lora
+
+    def _prompt(self, messages: Messages, max_tokens: int) -> list[int]:
+        tok = self.server.engine.tokenizer
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        # Keep the tail within the context: the task comes last, the course prefix first.
+        room = self.server.engine.max_model_len - max_tokens - 1
+        if len(ids) > room:
+            raise ValueError(f"tutor prompt of {len(ids)} tokens leaves no room to answer")
+        return ids
+
+    async def stream(
+        self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None
+    ) -> AsyncIterator[str]:
+        ids = await asyncio.to_thread(self._prompt, messages, max_tokens)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
+        rid = f"tutor-{uuid.uuid4().hex}"
+        async with self.server.submit(
+            rid, ids, params, session_id=session_id, lora=self.lora
+        ) as stream:
+            async for out in stream:
+                if out.delta_text:
+                    yield out.delta_text
+
+
+class OpenAILLM:
+    """Any OpenAI-compatible chat endpoint (`base_url` ends in /v1)."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None = None) -> None:
+        from openai import AsyncOpenAI
+
+        self.client = AsyncOpenAI(base_url=base_url, api_key=api_key or "none", max_retries=1)
+        self.name = model
+
+    async def stream(
+        self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None
+    ) -> AsyncIterator[str]:
+        headers = {"X-Session-Id": session_id} if session_id else None
+        chunks = await self.client.chat.completions.create(
+            model=self.name,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            temperature=temperature,
+            stream=True,
+            extra_headers=headers,
+        )
+        try:
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    yield chunk.choices[0].delta.content
+        finally:
+            await chunks.close()

@@ -1,0 +1,260 @@
+"""The tutor service: sessions, turns and learner profiles over the course set, the store, the
+agent graph and one chat model. The HTTP layer (`api.py`) only translates.
+
+A turn runs in its own task, independent of the connection that asked for it: a student who
+closes the tab still has the answer assessed and the turn stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from opentelemetry import trace
+
+from tutorserve.tutor.agents import TurnContext, kc_states, pick_problem, problem_view
+from tutorserve.tutor.courses import Course
+from tutorserve.tutor.graph import Timeouts, build_turn_graph
+from tutorserve.tutor.llm_client import ChatLLM
+from tutorserve.tutor.profile import course_progress
+from tutorserve.tutor.prompts import HISTORY_TURNS, LEVEL_NAMES
+from tutorserve.tutor.store import TutorStore
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("tutorserve.tutor")
+CRITICAL_STEPS = ("diagnose", "retrieve", "explain", "assess")
+
+
+class UnknownCourseError(ValueError):
+    pass
+
+
+class SessionBusyError(RuntimeError):
+    pass
+
+
+class TutorService:
+    def __init__(
+        self,
+        courses: dict[str, Course],
+        store: TutorStore,
+        llm: ChatLLM,
+        timeouts: Timeouts | None = None,
+    ) -> None:
+        self.courses = courses
+        self.store = store
+        self.llm = llm
+        self.timeouts = timeouts or Timeouts()
+        self.graph = build_turn_graph()
+        self._busy: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    def course(self, course_id: str) -> Course:
+        if course_id not in self.courses:
+            raise UnknownCourseError(
+                f"unknown course {course_id!r}; available: {', '.join(sorted(self.courses))}"
+            )
+        return self.courses[course_id]
+
+    def _course_of(self, stored_id: str) -> Course:
+        try:
+            return self.course(stored_id)
+        except UnknownCourseError as e:
+            raise KeyError(f"this session's course {stored_id!r} is no longer served") from e
+
+    async def start_session(self, learner_id: str, course_id: str) -> dict[str, Any]:
+        course = self.course(course_id)
+        states, solved = await asyncio.to_thread(self._learner_state, learner_id, course)
+        problem = pick_problem(course, states, solved) or course.problems[0]
+        rec = await asyncio.to_thread(self.store.create_session, learner_id, course.id, problem.id)
+        return {
+            "id": rec.id,
+            "learner_id": learner_id,
+            "course": course.id,
+            "problem": problem_view(problem),
+            **course_progress(course, states),
+        }
+
+    async def session(self, session_id: str) -> dict[str, Any]:
+        rec = await asyncio.to_thread(self.store.get_session, session_id)
+        if rec is None:
+            raise KeyError(f"no tutoring session {session_id!r}")
+        course = self._course_of(rec.course_id)
+        turns = await asyncio.to_thread(self.store.turns, session_id)
+        problem = course.problem.get(rec.problem_id or "")
+        return {
+            "id": rec.id,
+            "learner_id": rec.learner_id,
+            "course": rec.course_id,
+            "problem": problem_view(problem) if problem else None,
+            "turns": [
+                {
+                    "message": t.message,
+                    "reply": t.reply,
+                    "ladder_level": t.ladder_level,
+                    "diagnosis": t.diagnosis,
+                    "engage": t.engage,
+                }
+                for t in turns
+            ],
+        }
+
+    def _learner_state(self, learner_id: str, course: Course) -> tuple[dict, set[str]]:
+        stored = self.store.mastery(learner_id, course.id)
+        return kc_states(course, stored), self.store.solved(learner_id, course.id)
+
+    async def prepare_turn(self, session_id: str, message: str) -> TurnContext:
+        """Everything a turn needs, or KeyError / SessionBusyError before anything starts."""
+        rec = await asyncio.to_thread(self.store.get_session, session_id)
+        if rec is None:
+            raise KeyError(f"no tutoring session {session_id!r}")
+        course = self._course_of(rec.course_id)
+        if rec.problem_id is None or rec.problem_id not in course.problem:
+            raise KeyError(f"session {session_id!r} has finished every problem of its course")
+        if session_id in self._busy:
+            raise SessionBusyError(f"session {session_id!r} is still answering the last turn")
+        states, solved = await asyncio.to_thread(self._learner_state, rec.learner_id, course)
+        turns = await asyncio.to_thread(self.store.turns, session_id)
+        self._busy.add(session_id)
+        return TurnContext(
+            course=course,
+            problem=course.problem[rec.problem_id],
+            session_id=session_id,
+            learner_id=rec.learner_id,
+            message=message,
+            history=[(t.message, t.reply) for t in turns[-HISTORY_TURNS:]],
+            states=states,
+            solved=solved,
+            llm=self.llm,
+            store=self.store,
+            timeouts=self.timeouts,
+            started=time.monotonic(),
+        )
+
+    async def run_turn(self, ctx: TurnContext) -> AsyncIterator[dict[str, Any]]:
+        """The turn's events: `delta` and `reset` while the reply streams, then `final`, then
+        `engage`. Leaving early does not stop the turn."""
+        events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        task = asyncio.create_task(self._drive(ctx, events))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        while (event := await events.get()) is not None:
+            yield event
+
+    async def _drive(self, ctx: TurnContext, events: asyncio.Queue) -> None:
+        span = tracer.start_span(
+            "tutor.turn",
+            attributes={"tutor.session": ctx.session_id, "tutor.course": ctx.course.id},
+        )
+        ctx.trace_parent = trace.set_span_in_context(span)
+        state: dict[str, Any] = {}
+        index = None
+        try:
+            async for mode, chunk in self.graph.astream(
+                {"ctx": ctx}, stream_mode=["updates", "custom"]
+            ):
+                if mode == "custom":
+                    events.put_nowait(chunk)
+                    continue
+                for node, update in chunk.items():
+                    state |= {k: v for k, v in update.items() if k not in ("steps", "fallbacks")}
+                    state.setdefault("steps", {}).update(update.get("steps", {}))
+                    state.setdefault("fallbacks", []).extend(update.get("fallbacks", []))
+                    if node == "assess":
+                        final = self._final(ctx, state)
+                        span.end()
+                        index = await asyncio.to_thread(self._save_turn, ctx, final)
+                        self._busy.discard(ctx.session_id)  # engage need not hold the next turn
+                        events.put_nowait({"event": "final", "turn": index, **final})
+                    elif node == "engage" and index is not None:
+                        await asyncio.to_thread(
+                            self.store.set_engage, ctx.session_id, index, state["engage"]
+                        )
+                        step = state["steps"]["engage"]
+                        took = round(step["end_ms"] - step["start_ms"], 1)
+                        events.put_nowait(
+                            {"event": "engage", "text": state["engage"], "duration_ms": took}
+                        )
+        except Exception as e:
+            log.exception("tutor turn failed")
+            events.put_nowait({"event": "error", "message": f"the turn failed: {e}"})
+            if span.is_recording():
+                span.end()
+        finally:
+            self._busy.discard(ctx.session_id)
+            events.put_nowait(None)
+
+    def _final(self, ctx: TurnContext, state: dict[str, Any]) -> dict[str, Any]:
+        d, outcome = state["diagnosis"], state.get("outcome", {})
+        steps = state["steps"]
+        critical = (time.monotonic() - ctx.started) * 1e3
+        total = sum(s["end_ms"] - s["start_ms"] for n, s in steps.items() if n in CRITICAL_STEPS)
+        return {
+            "reply": state.get("reply", ""),
+            "diagnosis": d,
+            "ladder_level": d["level"],
+            "ladder": LEVEL_NAMES[d["level"]],
+            "mastery_changes": outcome.get("mastery_changes", {}),
+            "problem": problem_view(ctx.problem),
+            "next_problem": outcome.get("next_problem"),
+            "fallbacks": state.get("fallbacks", []),
+            "timing": {
+                "critical_path_ms": round(critical, 1),
+                "sum_of_steps_ms": round(total, 1),
+                "steps": {n: {k: round(v, 1) for k, v in s.items()} for n, s in steps.items()},
+            },
+            **course_progress(ctx.course, ctx.states),
+        }
+
+    def _save_turn(self, ctx: TurnContext, final: dict[str, Any]) -> int:
+        return self.store.add_turn(
+            ctx.session_id,
+            ctx.message,
+            final["reply"],
+            final["diagnosis"],
+            final["ladder_level"],
+            final["mastery_changes"],
+            final["timing"],
+        )
+
+    async def learner(self, learner_id: str) -> dict[str, Any]:
+        if not await asyncio.to_thread(self.store.learner_exists, learner_id):
+            raise KeyError(f"no learner {learner_id!r}")
+        sessions = await asyncio.to_thread(self.store.sessions_of, learner_id)
+        courses = []
+        for course_id in dict.fromkeys(s.course_id for s in sessions):
+            if course_id in self.courses:
+                course = self.courses[course_id]
+                states, solved = await asyncio.to_thread(self._learner_state, learner_id, course)
+                courses.append(
+                    {
+                        "course": course.id,
+                        "title": course.title,
+                        "solved": len(solved),
+                        "problems": len(course.problems),
+                        **course_progress(course, states),
+                    }
+                )
+        return {
+            "learner_id": learner_id,
+            "sessions": [
+                {
+                    "id": s.id,
+                    "course": s.course_id,
+                    "turns": s.num_turns,
+                    "created_at": s.created_at.isoformat(),
+                }
+                for s in sessions
+            ],
+            "courses": courses,
+        }
+
+    async def close(self) -> None:
+        """Let turns still running finish (server shutdown), so none is lost half-done; then
+        close the store."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=30)
+        self.store.close()
