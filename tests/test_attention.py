@@ -114,3 +114,53 @@ def test_prefill_chunk_after_cached_prefix_matches_dense():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # The new K/V landed in the cache at the slot mapping.
     torch.testing.assert_close(context_kv(attn, table, total)[0][:, cached:], k_new.transpose(0, 1))
+
+
+def _decode_step(attn, tables, lens, hashes, seed):
+    """One decode step through the layer, checked against dense attention; returns the
+    shared-prefix K the layer kept."""
+    batch = build_decode_batch(tables, lens, BS, torch.device("cpu"), torch.float32, True, hashes)
+    g = torch.Generator().manual_seed(seed)
+    n = len(tables)
+    q = torch.randn(n, KVH * GROUP, DIM, generator=g)
+    k_new, v_new = torch.randn(n, KVH, DIM, generator=g), torch.randn(n, KVH, DIM, generator=g)
+    ref = reference_decode(attn, q, k_new, v_new, tables, lens)
+    set_context(StepContext(slot_mapping=slots_of(tables, lens), num_decode=n, decode=batch))
+    try:
+        out = attn(q, k_new, v_new)
+    finally:
+        reset_context()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    return attn._shared[1] if attn._shared is not None else None
+
+
+def test_shared_prefix_kv_is_reused_while_its_content_is_the_same():
+    attn = make_layer(seed=4)
+    prefix = [1, 2, 3]
+    tables = [[*prefix, 20, 21], [*prefix, 22]]
+    lens = [18, 14]
+    hashes = [[b"h1", b"h2", b"h3", b"x"], [b"h1", b"h2", b"h3"]]
+    first = _decode_step(attn, tables, lens, hashes, seed=5)
+    assert first is not None
+    # The next step (one token further): the same prefix, so the gathered K/V is reused.
+    second = _decode_step(attn, tables, [19, 15], hashes, seed=6)
+    assert second is first
+    # The prefix blocks freed and refilled with other content (another course's prompt landing
+    # in the same blocks): their hashes differ, so the layer gathers again, and is right.
+    attn.k_cache[:, prefix] = torch.randn(KVH, len(prefix), BS, DIM)
+    attn.v_cache[:, prefix] = torch.randn(KVH, len(prefix), BS, DIM)
+    other = [[b"o1", b"o2", b"o3", b"x"], [b"o1", b"o2", b"o3"]]
+    third = _decode_step(attn, tables, [19, 15], other, seed=7)
+    assert third is not first
+    # Without hashes nothing is kept across steps: every step gathers.
+    assert _decode_step(attn, tables, [19, 15], None, seed=8) is None
+
+
+def test_a_prefix_too_big_to_copy_is_gathered_every_step():
+    attn = make_layer(seed=9)  # 96 blocks: copies may take at most a quarter, 24 blocks' worth
+    prefix = list(range(1, 31))
+    tables = [[*prefix, 40], [*prefix, 41]]
+    hashes = [[bytes([i]) for i in range(31)], [bytes([i]) for i in range(30)]]
+    assert _decode_step(attn, tables, [123, 122], hashes, seed=10) is None
+    small = [[*prefix[:12], 40], [*prefix[:12], 41]]
+    assert _decode_step(attn, small, [51, 50], hashes, seed=11) is not None

@@ -16,11 +16,14 @@ def build_decode_batch(
     device: torch.device,
     dtype: torch.dtype,
     share_prefixes: bool,
+    hashes: list[list[bytes]] | None = None,
 ) -> DecodeBatch:
     """Block tables (covering each row's context) split into shared prefixes and own suffixes.
 
     Rows share blocks only through the prefix cache, so shared blocks are full and already
-    computed; each row's newest token stays in its own suffix.
+    computed; each row's newest token stays in its own suffix. `hashes`: each row's chained
+    block hashes, which name a shared prefix's content (its blocks may be reused for other
+    content once freed), so attention may keep the prefix K/V it gathered while they match.
     """
     bs = block_size
     shared_blocks = [0] * len(tables)
@@ -60,8 +63,23 @@ def build_decode_batch(
             rows=torch.as_tensor(members, device=device),
             member_slots=torch.as_tensor(slots, device=device),
             grouped_rows=torch.as_tensor(grouped, device=device),
+            key=_prefix_key(tables, hashes, groups),
         )
     return batch
+
+
+def _prefix_key(
+    tables: list[list[int]], hashes: list[list[bytes]] | None, groups: list[tuple[list[int], int]]
+) -> tuple:
+    """Block ids (the layout) and the last block's chained hash (the content) of each group's
+    prefix; () when a hash is unknown, which turns reuse off for the step."""
+    key = []
+    for rows, n in groups:
+        lead = rows[0]
+        if hashes is None or len(hashes[lead]) < n:
+            return ()
+        key.append((tuple(tables[lead][:n]), hashes[lead][n - 1]))
+    return tuple(key)
 
 
 def _padded(

@@ -35,6 +35,9 @@ class SharedPrefixGroups:
     rows: torch.Tensor  # [groups, max_members] decode row of each member, padded with 0
     member_slots: torch.Tensor  # [grouped_rows] flat (group, member) index of each grouped row
     grouped_rows: torch.Tensor  # [grouped_rows] decode row index
+    # Each group's prefix blocks and content hash: equal non-empty keys mean equal gathered
+    # K/V (shared blocks are full and computed); () means unknown.
+    key: tuple = ()
 
 
 @dataclass(slots=True)

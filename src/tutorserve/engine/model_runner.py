@@ -79,6 +79,7 @@ class ModelRunner:
         ids: list[int] = []
         pos_parts, slot_parts = [], []
         dec_tables: list[list[int]] = []
+        dec_hashes: list[list[bytes]] = []
         dec_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         logit_rows: list[int] = []
@@ -93,6 +94,7 @@ class ModelRunner:
             slot_parts.append(np.asarray(table)[pos // bs] * bs + pos % bs)
             if n == 1:
                 dec_tables.append(table)
+                dec_hashes.append(seq.block_hashes)
                 dec_lens.append(end)
             elif start == 0:
                 prefills.append(PrefillChunk(offset, offset + n, end))
@@ -115,7 +117,7 @@ class ModelRunner:
             ctx.lora = self._lora_batch(batch)
         if dec_lens:
             ctx.decode = build_decode_batch(
-                dec_tables, dec_lens, bs, dev, self.k_cache.dtype, self.share_prefixes
+                dec_tables, dec_lens, bs, dev, self.k_cache.dtype, self.share_prefixes, dec_hashes
             )
         return (
             torch.as_tensor(ids, device=dev),

@@ -33,6 +33,10 @@ class PagedAttention(nn.Module):
         # Bound by the model runner once the KV budget is known.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # The shared prefixes' K/V as gathered at the last decode step, reused while the groups'
+        # prefixes stay the same: a course prompt is gathered once, not at every step (at most
+        # a quarter of the layer's KV cache in extra memory).
+        self._shared: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim] → [T, heads * dim]."""
@@ -68,20 +72,28 @@ class PagedAttention(nn.Module):
         return out.view(n_tok, -1)
 
     def _gather(
-        self, ctx: StepContext, name: str, cache: torch.Tensor, tables: torch.Tensor
+        self, ctx: StepContext, name: str | None, cache: torch.Tensor, tables: torch.Tensor
     ) -> torch.Tensor:
         """Blocks of `tables` [rows, blocks] as a contiguous [kv_heads, rows, keys, dim], whose
-        two leading dims fold into one batch dim for the attention matmuls without a copy."""
+        two leading dims fold into one batch dim for the attention matmuls without a copy.
+        Into the step's workspace buffer `name`, or, for None, a tensor of its own."""
         rows, nb = tables.shape
         kvh, _, bs, dim = cache.shape
         numel = kvh * rows * nb * bs * dim
-        buf = ctx.workspace.get(name)
+        buf = ctx.workspace.get(name) if name else None
         if buf is None or buf.numel() < numel or buf.dtype != cache.dtype:
             buf = torch.empty(numel, dtype=cache.dtype, device=cache.device)
-            ctx.workspace[name] = buf
+            if name:
+                ctx.workspace[name] = buf
         out = buf[:numel].view(kvh, rows * nb, bs, dim)
         torch.index_select(cache, 1, tables.reshape(-1), out=out)
         return out.view(kvh, rows, nb * bs, dim)
+
+    def _affordable(self, tables: torch.Tensor) -> bool:
+        """Whether copies of these prefix blocks' K and V stay within a quarter of the layer's
+        KV cache (a prefix of unknown content, or too big, is gathered every step instead)."""
+        blocks = self.k_cache[:, 0].numel() * tables.numel()
+        return 2 * blocks * self.k_cache.element_size() <= 2 * self.k_cache.nbytes // 4
 
     def _decode_rows(
         self, q: torch.Tensor, bucket: DecodeBucket, ctx: StepContext
@@ -107,12 +119,21 @@ class PagedAttention(nn.Module):
             for bucket in batch.buckets:
                 o[bucket.rows], lse[bucket.rows] = self._decode_rows(q[bucket.rows], bucket, ctx)
         sp = batch.shared
-        if sp is not None:
+        if sp is None:
+            self._shared = None
+        else:
             ng, members = sp.rows.shape
             qp = q[sp.rows.reshape(-1)].view(ng, members, kvh, g, dim)
             qp = qp.permute(2, 0, 1, 3, 4).reshape(kvh, ng, members * g, dim)
-            kp = self._gather(ctx, "kp", self.k_cache, sp.tables)
-            vp = self._gather(ctx, "vp", self.v_cache, sp.tables)
+            if sp.key and self._shared is not None and self._shared[0] == sp.key:
+                _, kp, vp = self._shared
+            else:
+                self._shared = None  # let the old copies go before making new ones
+                kept = bool(sp.key) and self._affordable(sp.tables)
+                kp = self._gather(ctx, None if kept else "kp", self.k_cache, sp.tables)
+                vp = self._gather(ctx, None if kept else "vp", self.v_cache, sp.tables)
+                if kept:
+                    self._shared = (sp.key, kp, vp)
             op, lsep = _attend_many(qp, kp, vp, sp.bias, self.scale)
             op = op.view(kvh, ng, members, g, dim).permute(1, 2, 0, 3, 4)
             lsep = lsep.view(kvh, ng, members, g, 1).permute(1, 2, 0, 3, 4)
