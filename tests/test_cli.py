@@ -112,3 +112,23 @@ def test_check_course_validates_course_folders(tmp_path):
     assert "CEFR levels A2, B1" in r.stdout
     r = run("tutor", "check-course", str(tmp_path))
     assert r.returncode == 2 and f"error: {tmp_path / 'course.yaml'} is missing" in r.stderr
+
+
+def test_plot_learner_draws_mastery_from_the_store(tmp_path):
+    from tutorserve.tutor.store import TutorStore
+
+    url = f"sqlite:///{tmp_path / 'tutor.db'}"
+    store = TutorStore(url)
+    sid = store.create_session("ann", "algebra", "p1").id
+    wrong, right = {"correct": False}, {"correct": True}
+    store.add_turn(sid, "x=1", "no", wrong, 1, {"k1": {"before": 0.3, "after": 0.2}}, {})
+    store.add_turn(sid, "help", "hint", {}, 1, {}, {})  # a question: no mastery change
+    store.add_turn(sid, "x=2", "yes", right, 0, {"k1": {"before": 0.2, "after": 0.55}}, {})
+    store.close()
+    out = tmp_path / "ann.png"
+    r = run("tutor", "plot-learner", "ann", "--tutor-db", url, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "| algebra | k1 | 2 | 1 | 0.30 → 0.55 |" in r.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = run("tutor", "plot-learner", "bob", "--tutor-db", url)
+    assert r.returncode == 2 and "no learner 'bob'" in r.stderr

@@ -317,6 +317,22 @@ def cmd_check_course(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot_learner(a: argparse.Namespace) -> int:
+    from tutorserve.tutor.report import learner_traces, plot_traces, traces_table
+    from tutorserve.tutor.store import TutorStore
+
+    store = TutorStore(a.tutor_db)
+    try:
+        traces = learner_traces(store, a.learner)
+    finally:
+        store.close()
+    out = Path(a.out or f"{a.learner}-mastery.png")
+    plot_traces(traces, a.learner, out)
+    print(traces_table(traces))
+    print(f"plot: {out}")
+    return 0
+
+
 def cmd_fit_bkt(a: argparse.Namespace) -> int:
     from tutorserve.tutor.fit import fit_and_report
 
@@ -399,6 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = tutor.add_parser("check-course", help="validate course folders (as the server would)")
     p.add_argument("folders", nargs="+", metavar="DIR")
     p.set_defaults(func=cmd_check_course)
+
+    p = tutor.add_parser(
+        "plot-learner", help="a learner's mastery per KC over time, from the store"
+    )
+    p.add_argument("learner")
+    p.add_argument("--tutor-db", default=None, metavar="URL", help="as for serve")
+    p.add_argument("--out", default=None, help="PNG path (default: LEARNER-mastery.png)")
+    p.set_defaults(func=cmd_plot_learner)
 
     p = tutor.add_parser("fit-bkt", help="fit BKT by EM on answer logs; AUC/RMSE on held-out users")
     p.add_argument(
