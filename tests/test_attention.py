@@ -60,7 +60,7 @@ def test_decode_with_shared_prefixes_matches_dense(share):
         list(range(60, 74)),  # a long history of its own: bucketed apart, not padded to
     ]
     lens = [29, 26, 34, 10, 15, 9, 13, 18, 55]
-    batch = build_decode_batch(tables, lens, BS, torch.device("cpu"), torch.float32, share)
+    batch = _check_decode(attn, tables, lens, share, None, seed=1)
     assert len(batch.buckets) > 1
     if share:
         assert batch.shared is not None
@@ -68,7 +68,12 @@ def test_decode_with_shared_prefixes_matches_dense(share):
         assert sorted(batch.shared.tables.ne(0).sum(1).tolist()) == [2, 3, 6]
     else:
         assert batch.shared is None
-    g = torch.Generator().manual_seed(1)
+
+
+def _check_decode(attn, tables, lens, share, hashes, seed):
+    """One decode step through the layer, checked against dense attention; returns its batch."""
+    batch = build_decode_batch(tables, lens, BS, torch.device("cpu"), torch.float32, share, hashes)
+    g = torch.Generator().manual_seed(seed)
     n = len(tables)
     q = torch.randn(n, KVH * GROUP, DIM, generator=g)
     k_new, v_new = torch.randn(n, KVH, DIM, generator=g), torch.randn(n, KVH, DIM, generator=g)
@@ -79,6 +84,7 @@ def test_decode_with_shared_prefixes_matches_dense(share):
     finally:
         reset_context()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    return batch
 
 
 def test_prefill_chunk_after_cached_prefix_matches_dense():
@@ -117,20 +123,8 @@ def test_prefill_chunk_after_cached_prefix_matches_dense():
 
 
 def _decode_step(attn, tables, lens, hashes, seed):
-    """One decode step through the layer, checked against dense attention; returns the
-    shared-prefix K the layer kept."""
-    batch = build_decode_batch(tables, lens, BS, torch.device("cpu"), torch.float32, True, hashes)
-    g = torch.Generator().manual_seed(seed)
-    n = len(tables)
-    q = torch.randn(n, KVH * GROUP, DIM, generator=g)
-    k_new, v_new = torch.randn(n, KVH, DIM, generator=g), torch.randn(n, KVH, DIM, generator=g)
-    ref = reference_decode(attn, q, k_new, v_new, tables, lens)
-    set_context(StepContext(slot_mapping=slots_of(tables, lens), num_decode=n, decode=batch))
-    try:
-        out = attn(q, k_new, v_new)
-    finally:
-        reset_context()
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    """A checked decode step; returns the shared-prefix K the layer kept, if any."""
+    _check_decode(attn, tables, lens, True, hashes, seed)
     return attn._shared[1] if attn._shared is not None else None
 
 
