@@ -42,8 +42,7 @@ def run(coro):
 
 
 async def _turn(service: TutorService, session_id: str, message: str) -> list[dict]:
-    ctx = await service.prepare_turn(session_id, message)
-    return [e async for e in service.run_turn(ctx)]
+    return [e async for e in await service.start_turn(session_id, message)]
 
 
 async def _session(service: TutorService, learner: str = "ana") -> dict:
@@ -245,12 +244,15 @@ def test_a_session_answers_one_turn_at_a_time_and_turns_are_stored(course, store
 
     async def go():
         s = await _session(service)
-        ctx = await service.prepare_turn(s["id"], "7?")
-        with pytest.raises(SessionBusyError):
-            await service.prepare_turn(s["id"], "8")
-        events = [e async for e in service.run_turn(ctx)]
+        first, second = await asyncio.gather(
+            service.start_turn(s["id"], "7?"),
+            service.start_turn(s["id"], "8"),
+            return_exceptions=True,
+        )
+        assert isinstance(second, SessionBusyError)  # though both were in flight together
         with pytest.raises(KeyError):
-            await service.prepare_turn("nope", "8")
+            await service.start_turn("nope", "8")
+        events = [e async for e in first]
         return events, await service.session(s["id"])
 
     events, stored = run(go())

@@ -55,8 +55,8 @@ async def _student(
     out = []
     for _ in range(problems):
         for message in _answers(course.problem[pid]):
-            ctx = await service.prepare_turn(session["id"], message)
-            events = {e["event"]: e async for e in service.run_turn(ctx)}
+            turn = await service.start_turn(session["id"], message)
+            events = {e["event"]: e async for e in turn}
             final, engage_ms = events["final"], events["engage"]["duration_ms"]
             steps = final["timing"]["steps"]
             out.append(

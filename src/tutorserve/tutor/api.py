@@ -76,13 +76,13 @@ def tutor_router(service: TutorService) -> APIRouter:
     async def turn(session_id: str, req: TurnRequest) -> StreamingResponse:
         """The tutor's reply as Server-Sent Events, then a `final` event."""
         try:
-            ctx = await service.prepare_turn(session_id, req.message)
+            events = await service.start_turn(session_id, req.message)
         except KeyError as e:
             raise _not_found(e, "session_id") from e
         except SessionBusyError as e:
             raise APIError(409, str(e), param="session_id", code="session_busy") from e
         return StreamingResponse(
-            _sse(service.run_turn(ctx)),
+            _sse(events),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )

@@ -236,8 +236,10 @@ async def engage(state: TurnState) -> dict[str, Any]:
 
 def build_turn_graph() -> Any:
     g = StateGraph(TurnState)
-    nodes = {"diagnose": diagnose, "retrieve": retrieve, "explain": explain}
-    for name, node in {**nodes, "assess": assess, "engage": engage}.items():
+    agents = [diagnose, retrieve, explain, assess, engage]
+    for name, node in zip(
+        ("diagnose", "retrieve", "explain", "assess", "engage"), agents, strict=True
+    ):
         g.add_node(name, node)
     g.add_edge(START, "diagnose")
     g.add_edge(START, "retrieve")

@@ -106,8 +106,10 @@ class TutorService:
         stored = self.store.mastery(learner_id, course.id)
         return kc_states(course, stored), self.store.solved(learner_id, course.id)
 
-    async def prepare_turn(self, session_id: str, message: str) -> TurnContext:
-        """Everything a turn needs, or KeyError / SessionBusyError before anything starts."""
+    async def start_turn(self, session_id: str, message: str) -> AsyncIterator[dict[str, Any]]:
+        """Start a turn, or raise KeyError / SessionBusyError before anything starts. The turn
+        runs on its own; the returned iterator gives its events: `delta` and `reset` while the
+        reply streams, then `final`, then `engage`. Nobody need read them."""
         rec = await asyncio.to_thread(self.store.get_session, session_id)
         if rec is None:
             raise KeyError(f"no tutoring session {session_id!r}")
@@ -116,10 +118,14 @@ class TutorService:
             raise KeyError(f"session {session_id!r} has finished every problem of its course")
         if session_id in self._busy:
             raise SessionBusyError(f"session {session_id!r} is still answering the last turn")
-        states, solved = await asyncio.to_thread(self._learner_state, rec.learner_id, course)
-        turns = await asyncio.to_thread(self.store.turns, session_id)
-        self._busy.add(session_id)
-        return TurnContext(
+        self._busy.add(session_id)  # before any await, so a second request sees it
+        try:
+            states, solved = await asyncio.to_thread(self._learner_state, rec.learner_id, course)
+            turns = await asyncio.to_thread(self.store.turns, session_id)
+        except BaseException:
+            self._busy.discard(session_id)
+            raise
+        ctx = TurnContext(
             course=course,
             problem=course.problem[rec.problem_id],
             session_id=session_id,
@@ -133,16 +139,11 @@ class TutorService:
             timeouts=self.timeouts,
             started=time.monotonic(),
         )
-
-    async def run_turn(self, ctx: TurnContext) -> AsyncIterator[dict[str, Any]]:
-        """The turn's events: `delta` and `reset` while the reply streams, then `final`, then
-        `engage`. Leaving early does not stop the turn."""
         events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         task = asyncio.create_task(self._drive(ctx, events))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        while (event := await events.get()) is not None:
-            yield event
+        return _drain(events)
 
     async def _drive(self, ctx: TurnContext, events: asyncio.Queue) -> None:
         span = tracer.start_span(
@@ -258,3 +259,8 @@ class TutorService:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=30)
         self.store.close()
+
+
+async def _drain(events: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
+    while (event := await events.get()) is not None:
+        yield event
