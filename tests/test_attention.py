@@ -158,3 +158,28 @@ def test_a_prefix_too_big_to_copy_is_gathered_every_step():
     assert _decode_step(attn, tables, [123, 122], hashes, seed=10) is None
     small = [[*prefix[:12], 40], [*prefix[:12], 41]]
     assert _decode_step(attn, small, [51, 50], hashes, seed=11) is not None
+
+
+def test_rotary_looks_positions_up_once_per_step_and_never_reuses_another_steps():
+    from tutorserve.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(DIM, 64, 10000.0)
+    g = torch.Generator().manual_seed(12)
+    q, k = torch.randn(3, 4, DIM, generator=g), torch.randn(3, 2, DIM, generator=g)
+
+    def fresh(pos):
+        cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+        half = DIM // 2
+
+        def rot(x):
+            return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+        return rot(q), rot(k)
+
+    step1, step2 = torch.tensor([0, 5, 9]), torch.tensor([1, 6, 10])
+    for pos in (step1, step1, step2, step1.clone()):  # the second call reuses the first's lookup
+        got, want = rope(pos, q, k), fresh(pos)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+    got = rope(step2, q.double(), k.double())  # another dtype: looked up again, in that dtype
+    assert got[0].dtype == torch.float64

@@ -15,13 +15,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
         self.head_dim = head_dim
+        # Every layer of a step rotates by the same positions: look them up once per step.
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        if self._step is None or self._step[0] is not positions or self._step[1].dtype != q.dtype:
+            cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+            sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+            self._step = (positions, cos, sin)
+        _, cos, sin = self._step
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
