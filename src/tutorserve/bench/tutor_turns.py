@@ -41,10 +41,11 @@ class TurnSample:
 
 
 def _answers(problem: Problem) -> list[str]:
-    wrong = [m.answer for m in problem.misconceptions] + ["41", "seventeen"]
-    if problem.answer_type == "numeric":
-        wrong[1:] = ["x = 41"]
-    return [wrong[0], wrong[1], problem.answer]
+    """A known mistake (diagnosed from the course), another wrong answer (diagnosed by the
+    model), then the right answer."""
+    known = [m.answer for m in problem.misconceptions]
+    other = "x = 41" if problem.answer_type == "numeric" else (known[1:] or ["41"])[0]
+    return [(known or ["41"])[0], other, problem.answer]
 
 
 async def _student(

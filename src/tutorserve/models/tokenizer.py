@@ -65,6 +65,11 @@ class Tokenizer:
             eos_token=tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else "",
         )
 
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the conversation, ready for the assistant's turn. The template already
+        holds BOS where the model wants one."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
     @classmethod
     def from_hf_dir(cls, path: Path, eos_token_ids: list[int] | None = None) -> Tokenizer:
         fast = FastTokenizer.from_file(str(path / "tokenizer.json"))

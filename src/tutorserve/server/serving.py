@@ -89,9 +89,7 @@ class OpenAIServing:
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in req.messages
         ]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        # The template already holds BOS where the model wants one.
-        return self._checked(self.tokenizer.encode(text, add_special_tokens=False), "messages")
+        return self._checked(self.tokenizer.encode_chat(messages), "messages")
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
         ids = self.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt

@@ -6,7 +6,7 @@ model, and choosing the next problem.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.context import Context
@@ -38,7 +38,6 @@ class TurnContext:
     timeouts: Any  # graph.Timeouts
     started: float
     trace_parent: Context | None = None
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 def kc_states(course: Course, stored: dict[str, KCState]) -> dict[str, KCState]:

@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from tutorserve.tutor.answers import leaks_answer, offered_values
 from tutorserve.tutor.learner import BKTParams
@@ -78,10 +85,10 @@ class Course(_Strict):
 
     @field_validator("kcs", "problems")
     @classmethod
-    def _unique_ids(cls, items: list[KC] | list[Problem]) -> list[KC] | list[Problem]:
-        _no_duplicates(
-            [i.id for i in items], "KC" if items and isinstance(items[0], KC) else "problem"
-        )
+    def _unique_ids(
+        cls, items: list[KC] | list[Problem], info: ValidationInfo
+    ) -> list[KC] | list[Problem]:
+        _no_duplicates([i.id for i in items], {"kcs": "KC", "problems": "problem"}[info.field_name])
         return items
 
     @cached_property

@@ -52,9 +52,7 @@ class EngineLLM:
         self.lora = lora
 
     def _prompt(self, messages: Messages, max_tokens: int) -> list[int]:
-        tok = self.server.engine.tokenizer
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = self.server.engine.tokenizer.encode_chat(messages)
         # Keep the tail within the context: the task comes last, the course prefix first.
         room = self.server.engine.max_model_len - max_tokens - 1
         if len(ids) > room:

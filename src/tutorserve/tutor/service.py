@@ -151,34 +151,29 @@ class TutorService:
             attributes={"tutor.session": ctx.session_id, "tutor.course": ctx.course.id},
         )
         ctx.trace_parent = trace.set_span_in_context(span)
-        state: dict[str, Any] = {}
         index = None
         try:
-            async for mode, chunk in self.graph.astream(
-                {"ctx": ctx}, stream_mode=["updates", "custom"]
+            # "values" is the graph's state after each superstep, already merged by its reducers.
+            async for mode, state in self.graph.astream(
+                {"ctx": ctx}, stream_mode=["custom", "values"]
             ):
                 if mode == "custom":
-                    events.put_nowait(chunk)
-                    continue
-                for node, update in chunk.items():
-                    state |= {k: v for k, v in update.items() if k not in ("steps", "fallbacks")}
-                    state.setdefault("steps", {}).update(update.get("steps", {}))
-                    state.setdefault("fallbacks", []).extend(update.get("fallbacks", []))
-                    if node == "assess":
-                        final = self._final(ctx, state)
-                        span.end()
-                        index = await asyncio.to_thread(self._save_turn, ctx, final)
-                        self._busy.discard(ctx.session_id)  # engage need not hold the next turn
-                        events.put_nowait({"event": "final", "turn": index, **final})
-                    elif node == "engage" and index is not None:
-                        await asyncio.to_thread(
-                            self.store.set_engage, ctx.session_id, index, state["engage"]
-                        )
-                        step = state["steps"]["engage"]
-                        took = round(step["end_ms"] - step["start_ms"], 1)
-                        events.put_nowait(
-                            {"event": "engage", "text": state["engage"], "duration_ms": took}
-                        )
+                    events.put_nowait(state)
+                elif index is None and "outcome" in state:  # assess is done: the student's wait
+                    final = self._final(ctx, state)
+                    span.end()
+                    index = await asyncio.to_thread(self._save_turn, ctx, final)
+                    self._busy.discard(ctx.session_id)  # engage need not hold the next turn
+                    events.put_nowait({"event": "final", "turn": index, **final})
+                elif index is not None and "engage" in state:
+                    await asyncio.to_thread(
+                        self.store.set_engage, ctx.session_id, index, state["engage"]
+                    )
+                    step = state["steps"]["engage"]
+                    took = round(step["end_ms"] - step["start_ms"], 1)
+                    events.put_nowait(
+                        {"event": "engage", "text": state["engage"], "duration_ms": took}
+                    )
         except Exception as e:
             log.exception("tutor turn failed")
             events.put_nowait({"event": "error", "message": f"the turn failed: {e}"})
