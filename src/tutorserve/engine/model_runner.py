@@ -20,6 +20,7 @@ from tutorserve.engine.context import (
 from tutorserve.engine.sampler import sample
 from tutorserve.engine.scheduler import SchedulerOutput
 from tutorserve.engine.sequence import Sequence
+from tutorserve.kernels import paged_decode as paged_decode_kernel
 from tutorserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -45,14 +46,18 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.share_prefixes = config.enable_prefix_caching
+        self.in_place_decode = paged_decode_kernel.supports(
+            device, dtype, config.block_size, cfg.head_dim
+        )
         self.workspace: dict[str, torch.Tensor] = {}
         self.last_forward_s = 0.0
         self.num_lora_slots = 0  # set when LoRA is enabled
         log.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%.1f MiB); decode attention %s",
             num_blocks,
             config.block_size,
             2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
+            "reads blocks in place" if self.in_place_decode else "gathers blocks",
         )
 
     @torch.inference_mode()
@@ -117,7 +122,14 @@ class ModelRunner:
             ctx.lora = self._lora_batch(batch)
         if dec_lens:
             ctx.decode = build_decode_batch(
-                dec_tables, dec_lens, bs, dev, self.k_cache.dtype, self.share_prefixes, dec_hashes
+                dec_tables,
+                dec_lens,
+                bs,
+                dev,
+                self.k_cache.dtype,
+                self.share_prefixes,
+                dec_hashes,
+                self.in_place_decode,
             )
         return (
             torch.as_tensor(ids, device=dev),

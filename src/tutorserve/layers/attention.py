@@ -8,7 +8,8 @@ tokens' K/V at their slots, then:
   the query axis so GQA needs no K/V repetition. Rows sharing a cached prefix attend to it once
   per group (cascade attention), and each row to its own suffix; the two partial results are
   merged by their log-sum-exp. Shared course prompts are thus read once per step, not once per
-  student;
+  student. On CPUs the suffixes are read in place by a small C kernel (`kernels/`); elsewhere
+  their blocks are gathered first;
 - each prefill chunk attends to its gathered context with a causal mask offset by what was
   already cached, or, when it is the whole context, with plain causal attention on fresh K/V.
 """
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tutorserve.engine.context import DecodeBatch, DecodeBucket, StepContext, get_context
+from tutorserve.kernels.paged_decode import paged_decode
 
 
 class PagedAttention(nn.Module):
@@ -99,6 +101,10 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, bucket: DecodeBucket, ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of decode rows over their own (suffix) blocks, with log-sum-exp."""
+        if bucket.lens is not None:
+            return paged_decode(
+                q, self.k_cache, self.v_cache, bucket.tables, bucket.lens, self.scale
+            )
         rows = q.shape[0]
         kvh, dim = self.num_kv_heads, self.head_dim
         k = self._gather(ctx, "k", self.k_cache, bucket.tables)

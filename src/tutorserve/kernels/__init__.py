@@ -1,0 +1,1 @@
+"""Compiled kernels for what PyTorch has no op for."""
