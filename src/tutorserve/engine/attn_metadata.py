@@ -25,8 +25,8 @@ def build_decode_batch(
     computed; each row's newest token stays in its own suffix. `hashes`: each row's chained
     block hashes, which name a shared prefix's content (its blocks may be reused for other
     content once freed), so attention may keep the prefix K/V it gathered while they match.
-    `in_place`: the suffixes are read where they lie (the CPU kernel), so all rows go in one
-    bucket with their lengths.
+    `in_place`: blocks are read where they lie (the CPU kernel), so all rows go in one bucket
+    with their lengths, and each shared prefix comes with its length.
     """
     bs = block_size
     shared_blocks = [0] * len(tables)
@@ -71,6 +71,8 @@ def build_decode_batch(
             grouped_rows=torch.as_tensor(grouped, device=device),
             key=_prefix_key(tables, hashes, groups),
         )
+        if in_place:
+            batch.shared.lens = torch.as_tensor([n * bs for _, n in groups], device=device)
     return batch
 
 

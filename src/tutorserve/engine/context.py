@@ -38,6 +38,7 @@ class SharedPrefixGroups:
     # Each group's prefix blocks and content hash: equal non-empty keys mean equal gathered
     # K/V (shared blocks are full and computed); () means unknown.
     key: tuple = ()
+    lens: torch.Tensor | None = None  # [groups] prefix keys, for reading blocks in place
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ from tutorserve.engine.context import (
 from tutorserve.engine.sampler import sample
 from tutorserve.engine.scheduler import SchedulerOutput
 from tutorserve.engine.sequence import Sequence
-from tutorserve.kernels import paged_decode as paged_decode_kernel
+from tutorserve.kernels import paged_attention as attention_kernel
 from tutorserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -46,9 +46,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.share_prefixes = config.enable_prefix_caching
-        self.in_place_decode = paged_decode_kernel.supports(
-            device, dtype, config.block_size, cfg.head_dim
-        )
+        self.in_place_decode = attention_kernel.supports(device, dtype, cfg.head_dim)
         self.workspace: dict[str, torch.Tensor] = {}
         self.last_forward_s = 0.0
         self.num_lora_slots = 0  # set when LoRA is enabled

@@ -8,8 +8,9 @@ tokens' K/V at their slots, then:
   the query axis so GQA needs no K/V repetition. Rows sharing a cached prefix attend to it once
   per group (cascade attention), and each row to its own suffix; the two partial results are
   merged by their log-sum-exp. Shared course prompts are thus read once per step, not once per
-  student. On CPUs the suffixes are read in place by a small C kernel (`kernels/`); elsewhere
-  their blocks are gathered first;
+  student. On CPUs both parts read the blocks in place with a small C kernel (`kernels/`);
+  elsewhere the blocks are gathered first (and a course prompt's gathered K/V is kept between
+  steps while it stays the same);
 - each prefill chunk attends to its gathered context with a causal mask offset by what was
   already cached, or, when it is the whole context, with plain causal attention on fresh K/V.
 """
@@ -20,8 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tutorserve.engine.context import DecodeBatch, DecodeBucket, StepContext, get_context
-from tutorserve.kernels.paged_decode import paged_decode
+from tutorserve.engine.context import (
+    DecodeBatch,
+    DecodeBucket,
+    SharedPrefixGroups,
+    StepContext,
+    get_context,
+)
+from tutorserve.kernels.paged_attention import paged_attention
 
 
 class PagedAttention(nn.Module):
@@ -101,18 +108,40 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, bucket: DecodeBucket, ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of decode rows over their own (suffix) blocks, with log-sum-exp."""
-        if bucket.lens is not None:
-            return paged_decode(
-                q, self.k_cache, self.v_cache, bucket.tables, bucket.lens, self.scale
-            )
         rows = q.shape[0]
         kvh, dim = self.num_kv_heads, self.head_dim
+        if bucket.lens is not None:
+            qd = q.view(rows, kvh, self.group, dim)
+            o, lse = paged_attention(
+                qd, self.k_cache, self.v_cache, bucket.tables, bucket.lens, self.scale
+            )
+            return o.view(rows, self.num_heads, dim), lse.view(rows, self.num_heads, 1)
         k = self._gather(ctx, "k", self.k_cache, bucket.tables)
         v = self._gather(ctx, "v", self.v_cache, bucket.tables)
         qd = q.view(rows, kvh, self.group, dim).transpose(0, 1)  # [kv_heads, rows, group, dim]
         o, lse = _attend(qd, k, v, bucket.bias, self.scale)
         o = o.transpose(0, 1).reshape(rows, self.num_heads, dim)
         return o, lse.transpose(0, 1).reshape(rows, self.num_heads, 1)
+
+    def _shared_prefix_gathered(
+        self, qp: torch.Tensor, sp: SharedPrefixGroups, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's queries [groups, members, kv_heads, group, dim] over its gathered
+        prefix → outputs and log-sum-exp, [groups, members, kv_heads, group, dim or 1]."""
+        ng, members, kvh, g, dim = qp.shape
+        qp = qp.permute(2, 0, 1, 3, 4).reshape(kvh, ng, members * g, dim)
+        if sp.key and self._shared is not None and self._shared[0] == sp.key:
+            _, kp, vp = self._shared
+        else:
+            self._shared = None  # let the old copies go before making new ones
+            kept = bool(sp.key) and self._affordable(sp.tables)
+            kp = self._gather(ctx, None if kept else "kp", self.k_cache, sp.tables)
+            vp = self._gather(ctx, None if kept else "vp", self.v_cache, sp.tables)
+            if kept:
+                self._shared = (sp.key, kp, vp)
+        op, lsep = _attend_many(qp, kp, vp, sp.bias, self.scale)
+        op = op.view(kvh, ng, members, g, dim).permute(1, 2, 0, 3, 4)
+        return op, lsep.view(kvh, ng, members, g, 1).permute(1, 2, 0, 3, 4)
 
     def _decode(self, q: torch.Tensor, batch: DecodeBatch, ctx: StepContext) -> torch.Tensor:
         nd = q.shape[0]
@@ -130,19 +159,15 @@ class PagedAttention(nn.Module):
         else:
             ng, members = sp.rows.shape
             qp = q[sp.rows.reshape(-1)].view(ng, members, kvh, g, dim)
-            qp = qp.permute(2, 0, 1, 3, 4).reshape(kvh, ng, members * g, dim)
-            if sp.key and self._shared is not None and self._shared[0] == sp.key:
-                _, kp, vp = self._shared
+            if sp.lens is not None:  # read in place: [groups, kv_heads, members * group, dim]
+                qp = qp.transpose(1, 2).reshape(ng, kvh, members * g, dim)
+                op, lsep = paged_attention(
+                    qp, self.k_cache, self.v_cache, sp.tables, sp.lens, self.scale
+                )
+                op = op.view(ng, kvh, members, g, dim).transpose(1, 2)
+                lsep = lsep.view(ng, kvh, members, g, 1).transpose(1, 2)
             else:
-                self._shared = None  # let the old copies go before making new ones
-                kept = bool(sp.key) and self._affordable(sp.tables)
-                kp = self._gather(ctx, None if kept else "kp", self.k_cache, sp.tables)
-                vp = self._gather(ctx, None if kept else "vp", self.v_cache, sp.tables)
-                if kept:
-                    self._shared = (sp.key, kp, vp)
-            op, lsep = _attend_many(qp, kp, vp, sp.bias, self.scale)
-            op = op.view(kvh, ng, members, g, dim).permute(1, 2, 0, 3, 4)
-            lsep = lsep.view(kvh, ng, members, g, 1).permute(1, 2, 0, 3, 4)
+                op, lsep = self._shared_prefix_gathered(qp, sp, ctx)
             op = op.reshape(ng * members, self.num_heads, dim)[sp.member_slots]
             lsep = lsep.reshape(ng * members, self.num_heads, 1)[sp.member_slots]
             rows = sp.grouped_rows

@@ -1,0 +1,302 @@
+/* Attention over paged K/V, reading each key set's blocks where they lie in the cache.
+ *
+ * A "set" is a list of blocks and a key count: one decode row's own blocks, or the prompt
+ * blocks that a course's students share. Each set has `nq` queries per KV head (the query heads
+ * of a GQA group, times the rows that share the set). Keys are visited in tiles of 16 with an
+ * online softmax (running max and sum; the accumulator is rescaled when the max grows), so
+ * nothing is gathered and each K/V byte is read once per set. Outputs are float32 together with
+ * the log-sum-exp of the scores, so that a caller can merge partial results (cascade attention).
+ *
+ * Layouts (all contiguous; q has the caches' dtype):
+ *   q       [sets, kv_heads, nq, dim] float32 or bfloat16
+ *   k, v    [kv_heads, num_blocks, block_size, dim] float32 or bfloat16
+ *   tables  [sets, width] int64: the blocks of each set, in order
+ *   lens    [sets] int64: keys of each set (its blocks hold them from the first slot on)
+ *   out     [sets, kv_heads, nq, dim] float32
+ *   lse     [sets, kv_heads, nq] float32 (-inf for a set with no keys)
+ * Needs AVX-512 (`paged_attention_isa` says 0 without it; callers then gather blocks).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { TILE = 16, QCHUNK = 32, MAX_DIM = 256 };
+
+typedef struct {
+    const void *q, *k, *v;
+    const int64_t *tables, *lens;
+    int64_t kv_heads, nq, dim, num_blocks, block_size, width;
+    float scale;
+    int is_bf16;
+    float *out, *lse;
+} Args;
+
+/* n vectors of `dim` elements as float32: bfloat16 is the upper half of a float32, so
+ * widening is a shift. */
+static void widen(const void *src, int is_bf16, int64_t n, float *dst) {
+    if (!is_bf16) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    uint32_t *bits = (uint32_t *)dst; /* built with -fno-strict-aliasing */
+    for (int64_t i = 0; i < n; i++) bits[i] = (uint32_t)((const uint16_t *)src)[i] << 16;
+}
+
+/* Where key t of a set starts in a cache, counted in elements. */
+static inline int64_t key_offset(const Args *a, int64_t set, int64_t head, int64_t t) {
+    const int64_t BS = a->block_size;
+    return ((head * a->num_blocks + a->tables[set * a->width + t / BS]) * BS + t % BS) * a->dim;
+}
+
+/* Keys t0 .. t0+n-1 of a set as float32 rows [n][dim]. */
+static void load_tile(const Args *a, const void *cache, int64_t set, int64_t head, int64_t t0,
+                      int64_t n, float *dst) {
+    const int64_t D = a->dim, size = a->is_bf16 ? 2 : 4;
+    for (int64_t j = 0; j < n; j++)
+        widen((const char *)cache + key_offset(a, set, head, t0 + j) * size, a->is_bf16, D,
+              dst + j * D);
+}
+
+#if defined(__AVX512F__)
+/* exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e) as a degree-6 polynomial
+ * on the fraction, scaled by the integer part; x = -inf gives 0. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Sixteen vectors → one vector of their sixteen horizontal sums, in order. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The float32 path (any dim that is a multiple of 16; bfloat16 inputs are widened). */
+static void attend_f32(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {
+    const int64_t D = a->dim, C = D / 16, len = a->lens[set];
+    float q[QCHUNK * MAX_DIM];
+    widen((const char *)a->q + ((set * a->kv_heads + head) * a->nq + q0) * D * (a->is_bf16 ? 2 : 4),
+          a->is_bf16, nq * D, q);
+    float kt[TILE * MAX_DIM] __attribute__((aligned(64)));
+    float vt[TILE * MAX_DIM] __attribute__((aligned(64)));
+    float acc[QCHUNK * MAX_DIM] __attribute__((aligned(64)));
+    float peak[QCHUNK], total[QCHUNK], p[TILE] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < nq; i++) {
+        peak[i] = -INFINITY;
+        total[i] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * nq * D);
+    const __m512 scale = _mm512_set1_ps(a->scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        load_tile(a, a->k, set, head, t0, n, kt);
+        load_tile(a, a->v, set, head, t0, n, vt);
+        for (int64_t i = 0; i < nq; i++) {
+            __m512 dots[TILE];
+            for (int64_t j = 0; j < TILE; j++) {
+                __m512 s = _mm512_setzero_ps();
+                if (j < n)
+                    for (int64_t c = 0; c < C; c++)
+                        s = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * D + 16 * c),
+                                            _mm512_load_ps(kt + j * D + 16 * c), s);
+                dots[j] = s;
+            }
+            const __m512 s = _mm512_mask_blend_ps(valid, minus_inf,
+                                                  _mm512_mul_ps(sum16(dots), scale));
+            const float m = fmaxf(peak[i], _mm512_reduce_max_ps(s));
+            const float rescale = peak[i] == -INFINITY ? 0.f : expf(peak[i] - m);
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m)));
+            _mm512_store_ps(p, e);
+            total[i] = total[i] * rescale + _mm512_reduce_add_ps(e);
+            peak[i] = m;
+            float *o = acc + i * D;
+            for (int64_t c = 0; c < C; c++) {
+                __m512 r = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), _mm512_set1_ps(rescale));
+                for (int64_t j = 0; j < n; j++)
+                    r = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_load_ps(vt + j * D + 16 * c), r);
+                _mm512_storeu_ps(o + 16 * c, r);
+            }
+        }
+    }
+    float *out = a->out + ((set * a->kv_heads + head) * a->nq + q0) * D;
+    float *lse = a->lse + (set * a->kv_heads + head) * a->nq + q0;
+    for (int64_t i = 0; i < nq; i++) {
+        const float inv = total[i] > 0.f ? 1.f / total[i] : 0.f;
+        for (int64_t d = 0; d < D; d++) out[i * D + d] = acc[i * D + d] * inv;
+        lse[i] = peak[i] + logf(total[i]);
+    }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* The bfloat16 path: both products on the CPU's bf16 dot-product unit (two bf16 products
+ * summed into each float32 lane per instruction). Scores: each lane is one key, so K is laid
+ * out as [dim pair][key] and the query's dim pairs are broadcast. Values: each lane is one
+ * dim, so V is laid out as [key pair][dim] and the probabilities' key pairs are broadcast
+ * (probabilities are rounded to bf16 for this product, as PyTorch's flash attention does).
+ * Queries go four at a time, so that their chains of dependent products overlap. */
+enum { QB = 4 };
+
+static inline __m512bh bcast(uint32_t w) { return (__m512bh)_mm512_set1_epi32((int)w); }
+
+#define ATTEND_BF16(D)                                                                        \
+static void attend_bf16_##D(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {\
+    enum { W = D / 2, Z = D / 16 };                                                            \
+    const int64_t len = a->lens[set];                                                          \
+    const uint16_t *q = (const uint16_t *)a->q + ((set * a->kv_heads + head) * a->nq + q0) * D;\
+    const uint16_t *kc = (const uint16_t *)a->k, *vc = (const uint16_t *)a->v;                  \
+    uint32_t kp[W * TILE] __attribute__((aligned(64)));                                        \
+    __m512i vp[TILE / 2 * Z];                                                                  \
+    float acc[QCHUNK * D] __attribute__((aligned(64)));                                        \
+    float peak[QCHUNK], total[QCHUNK];                                                         \
+    uint32_t pw[QB][TILE / 2] __attribute__((aligned(64)));                                    \
+    for (int64_t i = 0; i < nq; i++) {                                                         \
+        peak[i] = -INFINITY;                                                                   \
+        total[i] = 0.f;                                                                        \
+    }                                                                                          \
+    memset(acc, 0, sizeof(float) * nq * D);                                                    \
+    const __m512 scale = _mm512_set1_ps(a->scale), minus_inf = _mm512_set1_ps(-INFINITY);     \
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {                                               \
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;                                   \
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);                                   \
+        const uint16_t *vrow[TILE];                                                            \
+        for (int64_t j = 0; j < TILE; j++) {                                                   \
+            /* padding repeats a real key (its probability is zero) */                         \
+            const int64_t at = key_offset(a, set, head, t0 + (j < n ? j : 0));                 \
+            const uint32_t *w = (const uint32_t *)(kc + at);                                   \
+            for (int64_t c = 0; c < W; c++) kp[c * TILE + j] = w[c];                           \
+            vrow[j] = vc + at;                                                                 \
+        }                                                                                      \
+        for (int64_t m = 0; m < TILE / 2; m++)                                                 \
+            for (int64_t h = 0; h < D / 32; h++) {                                             \
+                const __m512i x = _mm512_loadu_si512(vrow[2 * m] + 32 * h);                    \
+                const __m512i y = _mm512_loadu_si512(vrow[2 * m + 1] + 32 * h);                \
+                vp[m * Z + 2 * h] = _mm512_unpacklo_epi16(x, y);                               \
+                vp[m * Z + 2 * h + 1] = _mm512_unpackhi_epi16(x, y);                           \
+            }                                                                                  \
+        for (int64_t i0 = 0; i0 < nq; i0 += QB) {                                              \
+            int64_t qi[QB];                                                                    \
+            for (int u = 0; u < QB; u++) qi[u] = i0 + u < nq ? i0 + u : nq - 1;                \
+            __m512 s[QB][2];                                                                   \
+            for (int u = 0; u < QB; u++) s[u][0] = s[u][1] = _mm512_setzero_ps();              \
+            for (int64_t c = 0; c < W; c += 2) {                                               \
+                const __m512bh k0 = (__m512bh)_mm512_load_si512(kp + c * TILE);                \
+                const __m512bh k1 = (__m512bh)_mm512_load_si512(kp + (c + 1) * TILE);          \
+                for (int u = 0; u < QB; u++) {                                                 \
+                    const uint32_t *qw = (const uint32_t *)(q + qi[u] * D);                    \
+                    s[u][0] = _mm512_dpbf16_ps(s[u][0], k0, bcast(qw[c]));                     \
+                    s[u][1] = _mm512_dpbf16_ps(s[u][1], k1, bcast(qw[c + 1]));                 \
+                }                                                                              \
+            }                                                                                  \
+            float rescale[QB];                                                                 \
+            for (int u = 0; u < QB; u++) {                                                     \
+                const __m512 sc = _mm512_mask_blend_ps(                                        \
+                    valid, minus_inf, _mm512_mul_ps(_mm512_add_ps(s[u][0], s[u][1]), scale));  \
+                const int64_t i = qi[u];                                                       \
+                const float m = fmaxf(peak[i], _mm512_reduce_max_ps(sc));                      \
+                const __m512 e = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m)));        \
+                rescale[u] = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(peak[i] - m)));   \
+                _mm256_store_si256((__m256i *)pw[u], (__m256i)_mm512_cvtneps_pbh(e));          \
+                if (i0 + u < nq) {                                                             \
+                    total[i] = total[i] * rescale[u] + _mm512_reduce_add_ps(e);                \
+                    peak[i] = m;                                                               \
+                }                                                                              \
+            }                                                                                  \
+            __m512 r[QB][Z];                                                                   \
+            for (int u = 0; u < QB; u++)                                                       \
+                for (int z = 0; z < Z; z++)                                                    \
+                    r[u][z] = _mm512_mul_ps(_mm512_load_ps(acc + qi[u] * D + 16 * z),          \
+                                            _mm512_set1_ps(rescale[u]));                       \
+            for (int m = 0; m < TILE / 2; m++)                                                 \
+                for (int u = 0; u < QB; u++) {                                                 \
+                    const __m512bh pb = bcast(pw[u][m]);                                       \
+                    for (int z = 0; z < Z; z++)                                                \
+                        r[u][z] = _mm512_dpbf16_ps(r[u][z], (__m512bh)vp[m * Z + z], pb);      \
+                }                                                                              \
+            for (int u = QB - 1; u >= 0; u--) /* a repeated last query: its first copy wins */ \
+                for (int z = 0; z < Z; z++) _mm512_store_ps(acc + qi[u] * D + 16 * z, r[u][z]);\
+        }                                                                                      \
+    }                                                                                          \
+    /* Lane 4L + j of accumulator z holds dim 32 (z / 2) + 8 L + 4 (z % 2) + j. */            \
+    float *out = a->out + ((set * a->kv_heads + head) * a->nq + q0) * D;                       \
+    float *lse = a->lse + (set * a->kv_heads + head) * a->nq + q0;                             \
+    for (int64_t i = 0; i < nq; i++) {                                                         \
+        const float inv = total[i] > 0.f ? 1.f / total[i] : 0.f;                               \
+        for (int z = 0; z < Z; z++)                                                            \
+            for (int l = 0; l < 16; l++)                                                       \
+                out[i * D + 32 * (z / 2) + 8 * (l / 4) + 4 * (z % 2) + l % 4] =                \
+                    acc[i * D + 16 * z + l] * inv;                                             \
+        lse[i] = peak[i] + logf(total[i]);                                                     \
+    }                                                                                          \
+}
+ATTEND_BF16(64)
+ATTEND_BF16(128)
+#endif
+
+/* 2: the bfloat16 dot-product path exists (dims 64 and 128); 1: float32 FMA only; 0: none. */
+int paged_attention_isa(void) {
+#if defined(__AVX512BF16__)
+    return 2;
+#elif defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int paged_attention(const void *q, const void *k, const void *v, const int64_t *tables,
+                    const int64_t *lens, int64_t sets, int64_t kv_heads, int64_t nq, int64_t dim,
+                    int64_t num_blocks, int64_t block_size, int64_t width, float scale,
+                    int is_bf16, float *out, float *lse, int num_threads) {
+#if defined(__AVX512F__)
+    if (dim % 16 || dim > MAX_DIM) return -1;
+    const Args a = {q, k, v, tables, lens, kv_heads, nq, dim, num_blocks, block_size, width,
+                    scale, is_bf16, out, lse};
+    const int64_t chunks = (nq + QCHUNK - 1) / QCHUNK, items = sets * kv_heads * chunks;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; i++) {
+        const int64_t sh = i / chunks, q0 = (i % chunks) * QCHUNK;
+        const int64_t n = nq - q0 < QCHUNK ? nq - q0 : QCHUNK;
+#if defined(__AVX512BF16__)
+        if (is_bf16 && dim == 64) {
+            attend_bf16_64(&a, sh / kv_heads, sh % kv_heads, q0, n);
+            continue;
+        }
+        if (is_bf16 && dim == 128) {
+            attend_bf16_128(&a, sh / kv_heads, sh % kv_heads, q0, n);
+            continue;
+        }
+#endif
+        attend_f32(&a, sh / kv_heads, sh % kv_heads, q0, n);
+    }
+    return 0;
+#else
+    return -1;
+#endif
+}

@@ -1,0 +1,143 @@
+"""The CPU attention kernel (`paged_attention.c`): built at first use, loaded with ctypes.
+
+PyTorch has no CPU op that attends over blocks scattered through a paged cache, so the plain
+torch path copies each decode row's blocks into a contiguous tensor first: their K/V bytes are
+read, written and read again. The kernel reads them once, in place, with the CPU's bfloat16
+dot-product instructions where it has them.
+
+It is plain C with no PyTorch headers, so the system compiler builds it in about a second; the
+library is cached by source, flags and CPU under ~/.cache/tutorserve/kernels. It links
+`libgomp.so.1`, which resolves to the OpenMP runtime PyTorch has already loaded: its threads
+are PyTorch's own, not a second pool competing for the same cores. Without a compiler or
+AVX-512, `supports()` is False and attention gathers blocks instead (as it always does on GPUs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing",
+         "-shared", "-fPIC"]  # fmt: skip
+MAX_HEAD_DIM = 256
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention on this device, cache dtype and head size can run in the kernel."""
+    return (
+        device.type == "cpu"
+        and dtype in _DTYPES
+        and head_dim % 16 == 0
+        and head_dim <= MAX_HEAD_DIM
+        and (lib := _library()) is not None
+        and lib.paged_attention_isa() > 0
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [sets, kv_heads, nq, dim] in the caches' dtype; caches: [kv_heads, blocks,
+    block_size, dim]; tables: [sets, width] int64 (each set's blocks, padded); lens: [sets]
+    int64 keys per set → float32 outputs [sets, kv_heads, nq, dim] and log-sum-exp
+    [sets, kv_heads, nq]."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available")
+    sets, kvh, nq, dim = q.shape
+    _, num_blocks, block_size, _ = k_cache.shape
+    if k_cache.dtype not in _DTYPES or not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError("paged_attention needs q, k and v of one dtype, float32 or bfloat16")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and tables.is_contiguous()):
+        raise ValueError("paged_attention needs contiguous caches and tables")
+    if tables.dtype != torch.int64 or lens.dtype != torch.int64:
+        raise ValueError("paged_attention needs int64 tables and lens")
+    q, lens = q.contiguous(), lens.contiguous()
+    out = torch.empty(sets, kvh, nq, dim, dtype=torch.float32)
+    lse = torch.empty(sets, kvh, nq, dtype=torch.float32)
+    status = lib.paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), sets, kvh, nq, dim, num_blocks, block_size, tables.shape[1], scale,
+        _DTYPES[k_cache.dtype], out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"paged_attention cannot run head size {dim} on this CPU")
+    return out, lse
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    path = _build()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        log.warning("cannot load the CPU attention kernel (%s); gathering blocks instead", e)
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.paged_attention.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ctypes.c_int]
+    lib.paged_attention.argtypes += [ptr, ptr, ctypes.c_int]
+    lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention_isa.argtypes = []
+    lib.paged_attention_isa.restype = ctypes.c_int
+    return lib
+
+
+def _build() -> Path | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler: attention gathers paged blocks instead of reading them "
+                    "in place (slower on CPUs)")  # fmt: skip
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _cpu_id()])).hexdigest()
+    cache = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "tutorserve"
+    out = cache / "kernels" / f"paged_attention-{key[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True
+        )
+    except OSError as e:
+        done = subprocess.CompletedProcess([cc], 1, "", str(e))
+    if done.returncode != 0:
+        log.warning("building the CPU attention kernel failed; gathering blocks instead:"
+                    "\n%s", done.stderr[-2000:])  # fmt: skip
+        tmp.unlink(missing_ok=True)
+        return None
+    os.replace(tmp, out)  # atomic: concurrent first uses each build, one file wins
+    log.info("built the CPU attention kernel: %s", out)
+    return out
+
+
+def _cpu_id() -> bytes:
+    """What -march=native compiles for: a library built on one CPU must not load on another
+    that shares this cache directory."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor().encode()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines))).encode()
