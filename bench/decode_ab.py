@@ -53,7 +53,7 @@ def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
         attention._attend = _suffix_flash if on else attend
 
     def in_place(on: bool) -> None:
-        llm.engine.runner.in_place_decode = on
+        llm.engine.runner.in_place = on
 
     return {
         "prefix-reuse": ("reuse", "gather every step", prefix),

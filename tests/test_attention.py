@@ -92,9 +92,11 @@ def _check_decode(attn, tables, lens, share, hashes, seed, in_place=False):
     return batch
 
 
-def test_prefill_chunk_after_cached_prefix_matches_dense():
+@pytest.mark.parametrize("in_place", [True, False], ids=["kernel", "gather"])
+@pytest.mark.parametrize("cached", [9, 0])
+def test_prefill_chunk_after_cached_prefix_matches_dense(cached, in_place):
     attn = make_layer(seed=2)
-    table, cached, new = [7, 8, 9, 10, 11], 9, 8  # 9 cached tokens, 8 new ones
+    table, new = [7, 8, 9, 10, 11], 8  # 9 cached tokens (or none) and 8 new ones
     total = cached + new
     g = torch.Generator().manual_seed(3)
     q = torch.randn(new, KVH * GROUP, DIM, generator=g)
@@ -116,7 +118,13 @@ def test_prefill_chunk_after_cached_prefix_matches_dense():
     )
     pos = torch.arange(cached, total)
     slots = torch.tensor(table)[pos // BS] * BS + pos % BS
-    chunk = PrefillChunk(0, new, total, torch.tensor(table), mask)
+    if in_place:
+        bounds = torch.tensor([total]), torch.tensor([cached])
+        chunk = PrefillChunk(0, new, total, torch.tensor([table]), None, *bounds)
+    elif cached:
+        chunk = PrefillChunk(0, new, total, torch.tensor(table), mask)
+    else:
+        chunk = PrefillChunk(0, new, total)
     set_context(StepContext(slot_mapping=slots, prefills=[chunk]))
     try:
         out = attn(q, k_new, v_new)
@@ -223,6 +231,32 @@ def test_the_cpu_kernel_matches_dense_attention_and_its_log_sum_exp(
         torch.testing.assert_close(out[r].double(), want, atol=tol, rtol=tol)
         want_lse = torch.logsumexp(scores, -1)
         torch.testing.assert_close(lse[r].double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 32])
+def test_the_cpu_kernel_attends_causally_for_prefill_chunks(dtype, dim):
+    """Causal sets: a chunk of 21 tokens whose first sits at position 30, its 3 query heads
+    per KV head folded into 63 queries: each sees the keys up to its own position only."""
+    g = torch.Generator().manual_seed(14)
+    kvh, group, bs, blocks, start, n = 2, 3, 16, 8, 30, 21
+    k_cache = torch.randn(kvh, blocks, bs, dim, generator=g).to(dtype)
+    v_cache = torch.randn(kvh, blocks, bs, dim, generator=g).to(dtype)
+    table = [5, 2, 7, 0]
+    total = start + n
+    q = torch.randn(1, kvh, n * group, dim, generator=g).to(dtype)
+    out, _ = paged_attention(
+        q, k_cache, v_cache, torch.tensor([table]), torch.tensor([total]), dim**-0.5,
+        torch.tensor([start]), group,
+    )  # fmt: skip
+    k = k_cache[:, table].reshape(kvh, -1, dim)[:, :total].double()
+    v = v_cache[:, table].reshape(kvh, -1, dim)[:, :total].double()
+    scores = q[0].double() @ k.transpose(-1, -2) * dim**-0.5  # [kvh, n * group, total]
+    pos = start + torch.arange(n * group) // group
+    scores[:, torch.arange(total)[None, :] > pos[:, None]] = float("-inf")
+    want = torch.softmax(scores, -1) @ v
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[0].double(), want, atol=tol, rtol=tol)
 
 
 def test_the_cpu_kernel_is_built_and_used_for_decode_on_cpu():

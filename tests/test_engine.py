@@ -42,8 +42,8 @@ def test_decode_gathering_blocks_matches_the_cpu_kernel(synth_llama, mixed_promp
     """On CPUs decode attention reads blocks in place (the C kernel); the gather path is what
     GPUs run, so it is checked here too, batched with shared prefixes."""
     llm = LLM(synth_llama, dtype="float32")
-    assert llm.engine.runner.in_place_decode
-    llm.engine.runner.in_place_decode = False
+    assert llm.engine.runner.in_place
+    llm.engine.runner.in_place = False
     outs = llm.generate(mixed_prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics.num_cached_tokens for o in outs) > 0

@@ -22,6 +22,10 @@ class PrefillChunk:
     # (no cached prefix, no earlier chunk), which allows plain causal attention on fresh K/V.
     block_table: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # [q_len, context_len] bool, True = may attend
+    # For attention that reads blocks in place (then block_table is always set, mask never):
+    # [1] int64 context_len, and [1] int64 position of the chunk's first token.
+    kv_len: torch.Tensor | None = None
+    q_start: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -46,16 +46,16 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.share_prefixes = config.enable_prefix_caching
-        self.in_place_decode = attention_kernel.supports(device, dtype, cfg.head_dim)
+        self.in_place = attention_kernel.supports(device, dtype, cfg.head_dim)
         self.workspace: dict[str, torch.Tensor] = {}
         self.last_forward_s = 0.0
         self.num_lora_slots = 0  # set when LoRA is enabled
         log.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB); decode attention %s",
+            "KV cache: %d blocks of %d tokens (%.1f MiB); attention %s",
             num_blocks,
             config.block_size,
             2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
-            "reads blocks in place" if self.in_place_decode else "gathers blocks",
+            "reads blocks in place" if self.in_place else "gathers blocks",
         )
 
     @torch.inference_mode()
@@ -99,6 +99,10 @@ class ModelRunner:
                 dec_tables.append(table)
                 dec_hashes.append(seq.block_hashes)
                 dec_lens.append(end)
+            elif self.in_place:
+                table_t = torch.as_tensor([table], device=dev)
+                bounds = torch.tensor([end]), torch.tensor([start])
+                prefills.append(PrefillChunk(offset, offset + n, end, table_t, None, *bounds))
             elif start == 0:
                 prefills.append(PrefillChunk(offset, offset + n, end))
             else:
@@ -127,7 +131,7 @@ class ModelRunner:
                 self.k_cache.dtype,
                 self.share_prefixes,
                 dec_hashes,
-                self.in_place_decode,
+                self.in_place,
             )
         return (
             torch.as_tensor(ids, device=dev),

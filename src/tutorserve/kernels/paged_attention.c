@@ -27,13 +27,14 @@ enum { TILE = 16, QCHUNK = 32, MAX_DIM = 256 };
 
 typedef struct {
     const void *q, *k, *v;
-    const int64_t *tables, *lens;
-    int64_t kv_heads, nq, dim, num_blocks, block_size, width;
+    const int64_t *tables, *lens, *causal;
+    int64_t kv_heads, nq, group, dim, num_blocks, block_size, width;
     float scale;
     int is_bf16;
     float *out, *lse;
 } Args;
 
+#if defined(__AVX512F__)
 /* n vectors of `dim` elements as float32: bfloat16 is the upper half of a float32, so
  * widening is a shift. */
 static void widen(const void *src, int is_bf16, int64_t n, float *dst) {
@@ -43,6 +44,15 @@ static void widen(const void *src, int is_bf16, int64_t n, float *dst) {
     }
     uint32_t *bits = (uint32_t *)dst; /* built with -fno-strict-aliasing */
     for (int64_t i = 0; i < n; i++) bits[i] = (uint32_t)((const uint16_t *)src)[i] << 16;
+}
+
+/* Keys query i of a set may see: all of them, or with `causal`, those up to its own position
+ * (queries are tokens times the `group` query heads of a KV head, tokens from causal[set]). */
+static inline int64_t visible(const Args *a, int64_t set, int64_t i) {
+    const int64_t len = a->lens[set];
+    if (a->causal == NULL) return len;
+    const int64_t limit = a->causal[set] + i / a->group + 1;
+    return limit < len ? limit : len;
 }
 
 /* Where key t of a set starts in a cache, counted in elements. */
@@ -60,7 +70,12 @@ static void load_tile(const Args *a, const void *cache, int64_t set, int64_t hea
               dst + j * D);
 }
 
-#if defined(__AVX512F__)
+/* Lanes of a tile starting at key t0 that a query seeing `vis` keys may use. */
+static inline __mmask16 lanes(int64_t vis, int64_t t0) {
+    const int64_t n = vis - t0;
+    return n <= 0 ? 0 : n >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
+
 /* exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e) as a degree-6 polynomial
  * on the fraction, scaled by the integer part; x = -inf gives 0. */
 static inline __m512 exp_nonpositive(__m512 x) {
@@ -98,7 +113,7 @@ static inline __m512 sum16(const __m512 *v) {
 
 /* The float32 path (any dim that is a multiple of 16; bfloat16 inputs are widened). */
 static void attend_f32(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {
-    const int64_t D = a->dim, C = D / 16, len = a->lens[set];
+    const int64_t D = a->dim, C = D / 16, len = visible(a, set, q0 + nq - 1);
     float q[QCHUNK * MAX_DIM];
     widen((const char *)a->q + ((set * a->kv_heads + head) * a->nq + q0) * D * (a->is_bf16 ? 2 : 4),
           a->is_bf16, nq * D, q);
@@ -114,10 +129,11 @@ static void attend_f32(const Args *a, int64_t set, int64_t head, int64_t q0, int
     const __m512 scale = _mm512_set1_ps(a->scale), minus_inf = _mm512_set1_ps(-INFINITY);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
-        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         load_tile(a, a->k, set, head, t0, n, kt);
         load_tile(a, a->v, set, head, t0, n, vt);
         for (int64_t i = 0; i < nq; i++) {
+            const __mmask16 valid = lanes(visible(a, set, q0 + i), t0);
+            if (!valid) continue;
             __m512 dots[TILE];
             for (int64_t j = 0; j < TILE; j++) {
                 __m512 s = _mm512_setzero_ps();
@@ -131,7 +147,8 @@ static void attend_f32(const Args *a, int64_t set, int64_t head, int64_t q0, int
                                                   _mm512_mul_ps(sum16(dots), scale));
             const float m = fmaxf(peak[i], _mm512_reduce_max_ps(s));
             const float rescale = peak[i] == -INFINITY ? 0.f : expf(peak[i] - m);
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m)));
+            const __m512 e =
+                _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m))));
             _mm512_store_ps(p, e);
             total[i] = total[i] * rescale + _mm512_reduce_add_ps(e);
             peak[i] = m;
@@ -168,7 +185,7 @@ static inline __m512bh bcast(uint32_t w) { return (__m512bh)_mm512_set1_epi32((i
 #define ATTEND_BF16(D)                                                                        \
 static void attend_bf16_##D(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {\
     enum { W = D / 2, Z = D / 16 };                                                            \
-    const int64_t len = a->lens[set];                                                          \
+    const int64_t len = visible(a, set, q0 + nq - 1);                                          \
     const uint16_t *q = (const uint16_t *)a->q + ((set * a->kv_heads + head) * a->nq + q0) * D;\
     const uint16_t *kc = (const uint16_t *)a->k, *vc = (const uint16_t *)a->v;                  \
     uint32_t kp[W * TILE] __attribute__((aligned(64)));                                        \
@@ -184,7 +201,6 @@ static void attend_bf16_##D(const Args *a, int64_t set, int64_t head, int64_t q0
     const __m512 scale = _mm512_set1_ps(a->scale), minus_inf = _mm512_set1_ps(-INFINITY);     \
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {                                               \
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;                                   \
-        const __mmask16 valid = (__mmask16)((1u << n) - 1u);                                   \
         const uint16_t *vrow[TILE];                                                            \
         for (int64_t j = 0; j < TILE; j++) {                                                   \
             /* padding repeats a real key (its probability is zero) */                         \
@@ -216,11 +232,14 @@ static void attend_bf16_##D(const Args *a, int64_t set, int64_t head, int64_t q0
             }                                                                                  \
             float rescale[QB];                                                                 \
             for (int u = 0; u < QB; u++) {                                                     \
+                const int64_t i = qi[u];                                                       \
+                const __mmask16 valid = lanes(visible(a, set, q0 + i), t0);                    \
                 const __m512 sc = _mm512_mask_blend_ps(                                        \
                     valid, minus_inf, _mm512_mul_ps(_mm512_add_ps(s[u][0], s[u][1]), scale));  \
-                const int64_t i = qi[u];                                                       \
                 const float m = fmaxf(peak[i], _mm512_reduce_max_ps(sc));                      \
-                const __m512 e = exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m)));        \
+                /* masked: a query that sees no key of this tile (and maybe none yet) adds 0 */\
+                const __m512 e = _mm512_maskz_mov_ps(                                          \
+                    valid, exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m))));             \
                 rescale[u] = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(peak[i] - m)));   \
                 _mm256_store_si256((__m256i *)pw[u], (__m256i)_mm512_cvtneps_pbh(e));          \
                 if (i0 + u < nq) {                                                             \
@@ -271,12 +290,13 @@ int paged_attention_isa(void) {
 }
 
 int paged_attention(const void *q, const void *k, const void *v, const int64_t *tables,
-                    const int64_t *lens, int64_t sets, int64_t kv_heads, int64_t nq, int64_t dim,
+                    const int64_t *lens, const int64_t *causal, int64_t sets, int64_t kv_heads,
+                    int64_t nq, int64_t group, int64_t dim,
                     int64_t num_blocks, int64_t block_size, int64_t width, float scale,
                     int is_bf16, float *out, float *lse, int num_threads) {
 #if defined(__AVX512F__)
     if (dim % 16 || dim > MAX_DIM) return -1;
-    const Args a = {q, k, v, tables, lens, kv_heads, nq, dim, num_blocks, block_size, width,
+    const Args a = {q, k, v, tables, lens, causal, kv_heads, nq, group, dim, num_blocks, block_size, width,
                     scale, is_bf16, out, lse};
     const int64_t chunks = (nq + QCHUNK - 1) / QCHUNK, items = sets * kv_heads * chunks;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)

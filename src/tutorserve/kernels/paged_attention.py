@@ -54,11 +54,15 @@ def paged_attention(
     tables: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    causal: torch.Tensor | None = None,
+    group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [sets, kv_heads, nq, dim] in the caches' dtype; caches: [kv_heads, blocks,
     block_size, dim]; tables: [sets, width] int64 (each set's blocks, padded); lens: [sets]
     int64 keys per set → float32 outputs [sets, kv_heads, nq, dim] and log-sum-exp
-    [sets, kv_heads, nq]."""
+    [sets, kv_heads, nq]. Every query sees all its set's keys, or with `causal` ([sets] int64,
+    the position of the set's first query token) those up to its own position, the nq queries
+    being tokens × `group` query heads."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available")
@@ -68,15 +72,17 @@ def paged_attention(
         raise ValueError("paged_attention needs q, k and v of one dtype, float32 or bfloat16")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and tables.is_contiguous()):
         raise ValueError("paged_attention needs contiguous caches and tables")
-    if tables.dtype != torch.int64 or lens.dtype != torch.int64:
-        raise ValueError("paged_attention needs int64 tables and lens")
+    if any(t.dtype != torch.int64 for t in (tables, lens, *([] if causal is None else [causal]))):
+        raise ValueError("paged_attention needs int64 tables, lens and causal starts")
     q, lens = q.contiguous(), lens.contiguous()
+    causal = None if causal is None else causal.contiguous()
     out = torch.empty(sets, kvh, nq, dim, dtype=torch.float32)
     lse = torch.empty(sets, kvh, nq, dtype=torch.float32)
     status = lib.paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        lens.data_ptr(), sets, kvh, nq, dim, num_blocks, block_size, tables.shape[1], scale,
-        _DTYPES[k_cache.dtype], out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+        lens.data_ptr(), None if causal is None else causal.data_ptr(), sets, kvh,
+        nq, group, dim, num_blocks, block_size, tables.shape[1], scale, _DTYPES[k_cache.dtype],
+        out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"paged_attention cannot run head size {dim} on this CPU")
@@ -94,7 +100,7 @@ def _library() -> ctypes.CDLL | None:
         log.warning("cannot load the CPU attention kernel (%s); gathering blocks instead", e)
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_attention.argtypes = [ptr] * 5 + [i64] * 7 + [ctypes.c_float, ctypes.c_int]
+    lib.paged_attention.argtypes = [ptr] * 6 + [i64] * 8 + [ctypes.c_float, ctypes.c_int]
     lib.paged_attention.argtypes += [ptr, ptr, ctypes.c_int]
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention_isa.argtypes = []

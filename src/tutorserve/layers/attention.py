@@ -24,6 +24,7 @@ from torch import nn
 from tutorserve.engine.context import (
     DecodeBatch,
     DecodeBucket,
+    PrefillChunk,
     SharedPrefixGroups,
     StepContext,
     get_context,
@@ -62,6 +63,9 @@ class PagedAttention(nn.Module):
         if nd and ctx.decode is not None:
             out[:nd] = self._decode(q[:nd], ctx.decode, ctx)
         for p in ctx.prefills:
+            if p.kv_len is not None:
+                out[p.start : p.end] = self._prefill_in_place(q[p.start : p.end], p)
+                continue
             qs = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, dim]
             if p.block_table is None:
                 ks = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
@@ -79,6 +83,16 @@ class PagedAttention(nn.Module):
                 )
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out.view(n_tok, -1)
+
+    def _prefill_in_place(self, q: torch.Tensor, p: PrefillChunk) -> torch.Tensor:
+        """A prefill chunk's tokens [n, heads, dim] over its context, causally, by the kernel
+        (query heads of a KV group folded into the query axis)."""
+        n, kvh, g, dim = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        qs = q.view(n, kvh, g, dim).transpose(0, 1).reshape(1, kvh, n * g, dim)
+        o, _ = paged_attention(
+            qs, self.k_cache, self.v_cache, p.block_table, p.kv_len, self.scale, p.q_start, g
+        )
+        return o.view(kvh, n, g, dim).transpose(0, 1).reshape(n, self.num_heads, dim).to(q.dtype)
 
     def _gather(
         self, ctx: StepContext, name: str | None, cache: torch.Tensor, tables: torch.Tensor
