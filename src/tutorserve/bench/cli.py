@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from tutorserve.bench.systems import SYSTEMS
 from tutorserve.models.registry import DEFAULT_MODEL
@@ -123,6 +124,43 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_profile_decode)
 
 
+def _offline_repeat(
+    system: str,
+    a: argparse.Namespace,
+    tok: Any,
+    shape: dict[str, int],
+    hf_dir: str,
+    k: int,
+    timed: list[Any],
+    warm: list[Any],
+    engine_opts: dict[str, Any],
+) -> tuple[str, Any] | None:
+    """One system on repeat k of the offline workload → (table label, result); None if the
+    peer is not installed or failed."""
+    from tutorserve.bench import offline
+    from tutorserve.bench.workloads import edu_shared_prefix
+
+    if system == "tutorserve":
+        res = offline.run_tutorserve(system, a.model, [timed], warm, **engine_opts)
+        return "tutorserve (prefix cache)", res[0]
+    if system == "tutorserve-warm":
+        prime = edu_shared_prefix(
+            tok, seed=k + 1, question_seed=10_000 + k, **shape | {"students": 1}
+        )
+        res = offline.run_tutorserve(system, a.model, [timed], warm, primes=[prime], **engine_opts)
+        return WARM, res[0]
+    if system == "tutorserve-nocache":
+        res = offline.run_tutorserve(
+            system, a.model, [timed], warm, enable_prefix_caching=False, **engine_opts
+        )
+        return "tutorserve (no prefix cache)", res[0]
+    if system == "transformers":
+        res = offline.run_transformers(hf_dir, [timed], warm, a.hf_batch_size, a.dtype)
+        return res[0].system, res[0]
+    vres = offline.run_vllm(hf_dir, timed, a.max_num_seqs, system == "vllm-allcores")
+    return None if vres is None else (vres.system, vres)
+
+
 def cmd_offline(a: argparse.Namespace) -> int:
     from tutorserve.bench import offline, report
     from tutorserve.bench.workloads import edu_shared_prefix
@@ -155,34 +193,13 @@ def cmd_offline(a: argparse.Namespace) -> int:
     results: dict[str, list[offline.SystemResult]] = {}
     peers = {"transformers", "vllm", "vllm-allcores"} & set(systems)
     hf_dir = _hf_dir(a.model, resolve(a.model)) if peers else ""
-    for system in systems:
-        log.info("benchmarking %s", system)
-        if system == "tutorserve":
-            results["tutorserve (prefix cache)"] = offline.run_tutorserve(
-                system, a.model, runs, warm, **engine_opts
-            )
-        elif system == "tutorserve-warm":
-            primes = [
-                edu_shared_prefix(
-                    tok, seed=k + 1, question_seed=10_000 + k, **shape | {"students": 1}
-                )
-                for k in range(a.repeats)
-            ]
-            results[WARM] = offline.run_tutorserve(
-                system, a.model, runs, warm, primes=primes, **engine_opts
-            )
-        elif system == "tutorserve-nocache":
-            results["tutorserve (no prefix cache)"] = offline.run_tutorserve(
-                system, a.model, runs, warm, enable_prefix_caching=False, **engine_opts
-            )
-        elif system == "transformers":
-            res = offline.run_transformers(hf_dir, runs, warm, a.hf_batch_size, a.dtype)
-            results[res[0].system] = res
-        else:
-            all_cores = system == "vllm-allcores"
-            vres = [offline.run_vllm(hf_dir, t, a.max_num_seqs, all_cores) for t in runs]
-            if all(vres):
-                results[vres[0].system] = vres
+    # Systems take turns, one repeat each, so that a busy spell on a shared box hits them alike.
+    for k, timed in enumerate(runs):
+        for system in systems:
+            log.info("benchmarking %s, repeat %d of %d", system, k + 1, a.repeats)
+            res = _offline_repeat(system, a, tok, shape, hf_dir, k, timed, warm, engine_opts)
+            if res is not None:
+                results.setdefault(res[0], []).append(res[1])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {
