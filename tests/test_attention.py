@@ -268,3 +268,18 @@ def test_the_cpu_kernel_is_built_and_used_for_decode_on_cpu():
     assert not kernel.supports(cpu, torch.float16, 64)
     assert not kernel.supports(cpu, torch.float32, 24)  # not a multiple of 16
     assert not kernel.supports(torch.device("meta"), torch.float32, 64)
+
+
+def test_without_a_working_compiler_attention_gathers_blocks(monkeypatch, tmp_path, caplog):
+    """A compiler that fails, or a cache directory that cannot be written, is a warning and
+    the gather path, never an error at engine start."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    assert kernel._build() is None
+    assert "building the CPU attention kernel failed" in caplog.text
+    monkeypatch.setenv("CC", "cc")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert kernel._build() is None
+    assert not list(tmp_path.glob("**/*.so"))

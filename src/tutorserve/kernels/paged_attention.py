@@ -14,6 +14,7 @@ AVX-512, `supports()` is False and attention gathers blocks instead (as it alway
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -78,12 +79,13 @@ def paged_attention(
     causal = None if causal is None else causal.contiguous()
     out = torch.empty(sets, kvh, nq, dim, dtype=torch.float32)
     lse = torch.empty(sets, kvh, nq, dtype=torch.float32)
-    status = lib.paged_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        lens.data_ptr(), None if causal is None else causal.data_ptr(), sets, kvh,
-        nq, group, dim, num_blocks, block_size, tables.shape[1], scale, _DTYPES[k_cache.dtype],
-        out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+    with torch.profiler.record_function("tutorserve::paged_attention"):  # named in profiles
+        status = lib.paged_attention(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), None if causal is None else causal.data_ptr(), sets, kvh, nq,
+            group, dim, num_blocks, block_size, tables.shape[1], scale,
+            _DTYPES[k_cache.dtype], out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
     if status != 0:
         raise ValueError(f"paged_attention cannot run head size {dim} on this CPU")
     return out, lse
@@ -120,20 +122,23 @@ def _build() -> Path | None:
     out = cache / "kernels" / f"paged_attention-{key[:16]}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(
             [cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True
         )
-    except OSError as e:
-        done = subprocess.CompletedProcess([cc], 1, "", str(e))
-    if done.returncode != 0:
+        if done.returncode == 0:
+            os.replace(tmp, out)  # atomic: concurrent first uses each build, one file wins
+        error = done.stderr[-2000:]
+    except OSError as e:  # no compiler after all, or the cache directory is not writable
+        done, error = None, str(e)
+    if done is None or done.returncode != 0:
         log.warning("building the CPU attention kernel failed; gathering blocks instead:"
-                    "\n%s", done.stderr[-2000:])  # fmt: skip
-        tmp.unlink(missing_ok=True)
+                    "\n%s", error)  # fmt: skip
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         return None
-    os.replace(tmp, out)  # atomic: concurrent first uses each build, one file wins
     log.info("built the CPU attention kernel: %s", out)
     return out
 

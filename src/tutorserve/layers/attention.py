@@ -11,8 +11,9 @@ tokens' K/V at their slots, then:
   student. On CPUs both parts read the blocks in place with a small C kernel (`kernels/`);
   elsewhere the blocks are gathered first (and a course prompt's gathered K/V is kept between
   steps while it stays the same);
-- each prefill chunk attends to its gathered context with a causal mask offset by what was
-  already cached, or, when it is the whole context, with plain causal attention on fresh K/V.
+- each prefill chunk attends causally to its context: in place by the kernel on CPUs;
+  elsewhere to its gathered context with a causal mask offset by what was already cached, or,
+  when it is the whole context, with plain causal attention on fresh K/V.
 """
 
 from __future__ import annotations
