@@ -6,6 +6,7 @@ segments on the same running batch, so the box's noise hits both sides alike.
     .venv/bin/python bench/decode_ab.py rope-per-step --pairs 10
     .venv/bin/python bench/decode_ab.py suffix-flash --pairs 10   # a change tried and not landed
     .venv/bin/python bench/decode_ab.py in-place --pairs 10
+    .venv/bin/python bench/decode_ab.py fused-norm-act --pairs 10
 
 Workload: the offline benchmark's 64 students of 8 courses (~1,100-token prompts), run until
 every request is decoding, then decode at batch 64.
@@ -23,6 +24,7 @@ import tutorserve.layers.attention as attention
 import tutorserve.layers.rotary as rotary
 from tutorserve import LLM, SamplingParams
 from tutorserve.bench.workloads import edu_shared_prefix
+from tutorserve.kernels import norm_act
 
 
 def _rope_per_layer(self, positions, q, k):  # the method as it was
@@ -42,6 +44,7 @@ def _suffix_flash(q, k, v, bias, scale):
 def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
     """change → (label with it, label without it, set(on))."""
     key, rope, attend = attn_metadata._prefix_key, rotary.RotaryEmbedding.forward, attention._attend
+    supports = norm_act.supports
 
     def prefix(on: bool) -> None:
         attn_metadata._prefix_key = key if on else (lambda *a: ())
@@ -55,17 +58,22 @@ def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
     def in_place(on: bool) -> None:
         llm.engine.runner.in_place = on
 
+    def fused(on: bool) -> None:
+        norm_act.supports = supports if on else (lambda x: False)
+
     return {
         "prefix-reuse": ("reuse", "gather every step", prefix),
         "rope-per-step": ("per step", "per layer", rope_step),
         "suffix-flash": ("flash", "unfused", flash),
         "in-place": ("kernel reads blocks in place", "gather then attend", in_place),
+        "fused-norm-act": ("fused add+RMSNorm, SiLU*up", "PyTorch ops", fused),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("change", choices=["in-place", "prefix-reuse", "rope-per-step", "suffix-flash"])
+    changes = ["fused-norm-act", "in-place", "prefix-reuse", "rope-per-step", "suffix-flash"]
+    p.add_argument("change", choices=changes)
     p.add_argument("--pairs", type=int, default=10)
     p.add_argument("--model", default="smollm2-135m-instruct")
     a = p.parse_args()

@@ -12,9 +12,13 @@
  *   k, v    [kv_heads, num_blocks, block_size, dim] float32 or bfloat16
  *   tables  [sets, width] int64: the blocks of each set, in order
  *   lens    [sets] int64: keys of each set (its blocks hold them from the first slot on)
+ *   causal  [sets] int64 or NULL: for a prefill chunk, the position of its first token; query
+ *           i then sees keys up to position causal + i / group (NULL: every query sees all)
  *   out     [sets, kv_heads, nq, dim] float32
  *   lse     [sets, kv_heads, nq] float32 (-inf for a set with no keys)
- * Needs AVX-512 (`paged_attention_isa` says 0 without it; callers then gather blocks).
+ * Needs AVX-512 (`paged_attention_isa` says 0 without it; callers then gather blocks). With
+ * AVX512-BF16, bfloat16 at head sizes 64 and 128 takes the bf16 dot-product path; every other
+ * case widens to float32 and uses FMAs.
  */
 #include <math.h>
 #include <stdint.h>

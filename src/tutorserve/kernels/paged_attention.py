@@ -1,37 +1,21 @@
-"""The CPU attention kernel (`paged_attention.c`): built at first use, loaded with ctypes.
+"""Attention over the paged KV cache in place, on CPUs (`paged_attention.c`).
 
 PyTorch has no CPU op that attends over blocks scattered through a paged cache, so the plain
 torch path copies each decode row's blocks into a contiguous tensor first: their K/V bytes are
 read, written and read again. The kernel reads them once, in place, with the CPU's bfloat16
-dot-product instructions where it has them.
-
-It is plain C with no PyTorch headers, so the system compiler builds it in about a second; the
-library is cached by source, flags and CPU under ~/.cache/tutorserve/kernels. It links
-`libgomp.so.1`, which resolves to the OpenMP runtime PyTorch has already loaded: its threads
-are PyTorch's own, not a second pool competing for the same cores. Without a compiler or
-AVX-512, `supports()` is False and attention gathers blocks instead (as it always does on GPUs).
+dot-product instructions where it has them. Without a compiler or AVX-512, `supports()` is
+False and attention gathers blocks instead (as it always does on GPUs).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from tutorserve.kernels.build import library
 
-SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing",
-         "-shared", "-fPIC"]  # fmt: skip
 MAX_HEAD_DIM = 256
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -93,13 +77,8 @@ def paged_attention(
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    path = _build()
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        log.warning("cannot load the CPU attention kernel (%s); gathering blocks instead", e)
+    lib = library()
+    if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.paged_attention.argtypes = [ptr] * 6 + [i64] * 8 + [ctypes.c_float, ctypes.c_int]
@@ -108,47 +87,3 @@ def _library() -> ctypes.CDLL | None:
     lib.paged_attention_isa.argtypes = []
     lib.paged_attention_isa.restype = ctypes.c_int
     return lib
-
-
-def _build() -> Path | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler: attention gathers paged blocks instead of reading them "
-                    "in place (slower on CPUs)")  # fmt: skip
-        return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _cpu_id()])).hexdigest()
-    cache = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "tutorserve"
-    out = cache / "kernels" / f"paged_attention-{key[:16]}.so"
-    if out.exists():
-        return out
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            [cc, *FLAGS, "-o", str(tmp), str(SOURCE), "-lm"], capture_output=True, text=True
-        )
-        if done.returncode == 0:
-            os.replace(tmp, out)  # atomic: concurrent first uses each build, one file wins
-        error = done.stderr[-2000:]
-    except OSError as e:  # no compiler after all, or the cache directory is not writable
-        done, error = None, str(e)
-    if done is None or done.returncode != 0:
-        log.warning("building the CPU attention kernel failed; gathering blocks instead:"
-                    "\n%s", error)  # fmt: skip
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        return None
-    log.info("built the CPU attention kernel: %s", out)
-    return out
-
-
-def _cpu_id() -> bytes:
-    """What -march=native compiles for: a library built on one CPU must not load on another
-    that shares this cache directory."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor().encode()
-    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(lines))).encode()
