@@ -1,4 +1,4 @@
-"""Builds our C kernels (`*.c` in this package) into one library at first use, loads it.
+"""Builds our C kernels (`*.c` and `*.h` in this package) into one library at first use, loads it.
 
 They are plain C with no PyTorch headers, so the system compiler builds them in about a second;
 the library is cached by sources, flags and CPU under ~/.cache/tutorserve/kernels. It links
@@ -24,6 +24,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing",
          "-shared", "-fPIC"]  # fmt: skip
 
@@ -46,7 +47,7 @@ def _build() -> Path | None:
         log.warning("no C compiler: the CPU kernels are off, plain PyTorch runs instead "
                     "(attention gathers paged blocks; slower on CPUs)")  # fmt: skip
         return None
-    parts = [p.read_bytes() for p in SOURCES] + [" ".join(FLAGS).encode(), _cpu_id()]
+    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [" ".join(FLAGS).encode(), _cpu_id()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()
     cache = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "tutorserve"
     out = cache / "kernels" / f"tutorserve-kernels-{key[:16]}.so"

@@ -23,9 +23,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "simd.h"
 
 enum { TILE = 16, QCHUNK = 32, MAX_DIM = 256 };
 
@@ -78,23 +77,6 @@ static void load_tile(const Args *a, const void *cache, int64_t set, int64_t hea
 static inline __mmask16 lanes(int64_t vis, int64_t t0) {
     const int64_t n = vis - t0;
     return n <= 0 ? 0 : n >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-}
-
-/* exp(x) for x <= 0 (scores minus their running max): 2^(x log2 e) as a degree-6 polynomial
- * on the fraction, scaled by the integer part; x = -inf gives 0. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Sixteen vectors → one vector of their sixteen horizontal sums, in order. */
@@ -152,7 +134,7 @@ static void attend_f32(const Args *a, int64_t set, int64_t head, int64_t q0, int
             const float m = fmaxf(peak[i], _mm512_reduce_max_ps(s));
             const float rescale = peak[i] == -INFINITY ? 0.f : expf(peak[i] - m);
             const __m512 e =
-                _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+                _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m))));
             _mm512_store_ps(p, e);
             total[i] = total[i] * rescale + _mm512_reduce_add_ps(e);
             peak[i] = m;
@@ -243,8 +225,8 @@ static void attend_bf16_##D(const Args *a, int64_t set, int64_t head, int64_t q0
                 const float m = fmaxf(peak[i], _mm512_reduce_max_ps(sc));                      \
                 /* masked: a query that sees no key of this tile (and maybe none yet) adds 0 */\
                 const __m512 e = _mm512_maskz_mov_ps(                                          \
-                    valid, exp_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m))));             \
-                rescale[u] = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(peak[i] - m)));   \
+                    valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));             \
+                rescale[u] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(peak[i] - m)));   \
                 _mm256_store_si256((__m256i *)pw[u], (__m256i)_mm512_cvtneps_pbh(e));          \
                 if (i0 + u < nq) {                                                             \
                     total[i] = total[i] * rescale[u] + _mm512_reduce_add_ps(e);                \
