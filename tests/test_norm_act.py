@@ -69,3 +69,7 @@ def test_what_the_kernels_do_not_take_goes_through_pytorch():
     torch.testing.assert_close(norm(x), reference_norm(x, norm.weight, 1e-6))
     gate_up = torch.randn(4, 48)
     torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate_up[:, :24]) * gate_up[:, 24:])
+    x, residual = torch.randn(4, 32), torch.randn(32, 4).t()  # a residual the kernel cannot take
+    out, summed = RMSNorm(32, 1e-6)(x, residual)
+    torch.testing.assert_close(summed, x + residual)
+    torch.testing.assert_close(out, reference_norm(x + residual, torch.ones(32), 1e-6))
