@@ -46,20 +46,22 @@ def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
     key, rope, attend = attn_metadata._prefix_key, rotary.RotaryEmbedding.forward, attention._attend
     supports = norm_act.supports
 
-    def prefix(on: bool) -> None:
+    def prefix(on: bool) -> None:  # a change to the gather path, which CPUs no longer take
+        llm.engine.runner.in_place = False
         attn_metadata._prefix_key = key if on else (lambda *a: ())
 
     def rope_step(on: bool) -> None:
         rotary.RotaryEmbedding.forward = rope if on else _rope_per_layer
 
-    def flash(on: bool) -> None:
+    def flash(on: bool) -> None:  # the gather path too
+        llm.engine.runner.in_place = False
         attention._attend = _suffix_flash if on else attend
 
     def in_place(on: bool) -> None:
         llm.engine.runner.in_place = on
 
     def fused(on: bool) -> None:
-        norm_act.supports = supports if on else (lambda x: False)
+        norm_act.supports = supports if on else (lambda x, width: False)
 
     return {
         "prefix-reuse": ("reuse", "gather every step", prefix),

@@ -121,7 +121,7 @@ def test_prefill_chunk_after_cached_prefix_matches_dense(cached, in_place):
     slots = torch.tensor(table)[pos // BS] * BS + pos % BS
     if in_place:
         bounds = torch.tensor([total]), torch.tensor([cached])
-        chunk = PrefillChunk(0, new, total, torch.tensor([table]), None, *bounds)
+        chunk = PrefillChunk(0, new, total, torch.tensor(table), None, *bounds)
     elif cached:
         chunk = PrefillChunk(0, new, total, torch.tensor(table), mask)
     else:

@@ -174,3 +174,15 @@ def test_bench_cli_errors(tmp_path):
     assert r.returncode == 2 and "not a bench result" in r.stderr
     r = run_cli("bench", "compare", "--systems", "tutorserve,nope")
     assert r.returncode == 2 and "unknown system" in r.stderr
+
+
+def test_ttft_cut_ceiling_of_a_cold_burst():
+    """Two courses of two students: 32 shared tokens (two blocks of 16) and 4 of their own.
+    Cached, the best order completes after 36, 40, 76, 80 tokens (mean 58); uncached after
+    36, 72, 108, 144 (mean 90)."""
+    from tutorserve.bench.offline import ttft_cut_ceiling
+    from tutorserve.bench.workloads import Request
+
+    prompts = [[c] * 32 + [s] * 4 for c in (1, 5) for s in (2, 3)]
+    burst = [Request(prompt_token_ids=p, max_tokens=1, course=p[0]) for p in prompts]
+    assert ttft_cut_ceiling(burst, 16) == pytest.approx(1 - 58 / 90)

@@ -38,7 +38,7 @@ def test_add_rms_norm_matches_the_pytorch_ops(dtype, rows):
     norm = RMSNorm(576, 1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(576, generator=g))
-    assert norm_act.supports(x)
+    assert norm_act.supports(x, 576)
     want_sum = x + residual
     want = reference_norm(want_sum, norm.weight, 1e-5)
     kept = residual.clone()
@@ -62,9 +62,9 @@ def test_silu_mul_matches_the_pytorch_ops(dtype):
 
 def test_what_the_kernels_do_not_take_goes_through_pytorch():
     x = torch.randn(4, 24)  # rows of 24: not a multiple of 16
-    assert not norm_act.supports(x)
-    assert not norm_act.supports(torch.randn(4, 32, dtype=torch.float16))
-    assert not norm_act.supports(torch.randn(32, 4).t())  # not contiguous
+    assert not norm_act.supports(x, 24)
+    assert not norm_act.supports(torch.randn(4, 32, dtype=torch.float16), 32)
+    assert not norm_act.supports(torch.randn(32, 4).t(), 32)  # not contiguous
     norm = RMSNorm(24, 1e-6)
     torch.testing.assert_close(norm(x), reference_norm(x, norm.weight, 1e-6))
     gate_up = torch.randn(4, 48)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tutorserve.bench.systems import SYSTEMS
+from tutorserve.config import EngineConfig
 from tutorserve.models.registry import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
@@ -141,22 +142,21 @@ def _offline_repeat(
     from tutorserve.bench.workloads import edu_shared_prefix
 
     if system == "tutorserve":
-        res = offline.run_tutorserve(system, a.model, [timed], warm, **engine_opts)
-        return "tutorserve (prefix cache)", res[0]
+        return "tutorserve (prefix cache)", offline.run_tutorserve(
+            system, a.model, timed, warm, **engine_opts
+        )
     if system == "tutorserve-warm":
         prime = edu_shared_prefix(
             tok, seed=k + 1, question_seed=10_000 + k, **shape | {"students": 1}
         )
-        res = offline.run_tutorserve(system, a.model, [timed], warm, primes=[prime], **engine_opts)
-        return WARM, res[0]
+        return WARM, offline.run_tutorserve(system, a.model, timed, warm, prime, **engine_opts)
     if system == "tutorserve-nocache":
-        res = offline.run_tutorserve(
-            system, a.model, [timed], warm, enable_prefix_caching=False, **engine_opts
+        return "tutorserve (no prefix cache)", offline.run_tutorserve(
+            system, a.model, timed, warm, enable_prefix_caching=False, **engine_opts
         )
-        return "tutorserve (no prefix cache)", res[0]
     if system == "transformers":
-        res = offline.run_transformers(hf_dir, [timed], warm, a.hf_batch_size, a.dtype)
-        return res[0].system, res[0]
+        res = offline.run_transformers(hf_dir, timed, warm, a.hf_batch_size, a.dtype)
+        return res.system, res
     vres = offline.run_vllm(hf_dir, timed, a.max_num_seqs, system == "vllm-allcores")
     return None if vres is None else (vres.system, vres)
 
@@ -225,7 +225,8 @@ def cmd_offline(a: argparse.Namespace) -> int:
     )
     print(report.markdown_table(results))
     print()
-    print(goals(results))
+    block_size = EngineConfig.__dataclass_fields__["block_size"].default  # the engine's
+    print(goals(results, [offline.ttft_cut_ceiling(t, block_size) for t in runs]))
     print(f"\nresults: {out / 'offline.json'}, plot: {out / 'offline.png'}")
     return 0
 
@@ -497,7 +498,7 @@ def cmd_profile_decode(a: argparse.Namespace) -> int:
     return 0
 
 
-def goals(results: dict) -> str:
+def goals(results: dict, ceilings: list[float] | None = None) -> str:
     from tutorserve.bench.report import mean_extra, median_run, ratio
 
     lines = []
@@ -515,6 +516,12 @@ def goals(results: dict) -> str:
             lines.append(
                 f"- prefix caching cuts mean TTFT by {100 * (1 - a / b):.0f}% "
                 f"({b:.2f} s → {a:.2f} s)"
+            )
+        if ceilings:
+            each = " / ".join(f"{100 * c:.1f}" for c in ceilings)
+            lines.append(
+                f"- no scheduler could cut it by more than {each}% on these bursts, repeat by "
+                "repeat (all cold, equal cost per token: bench.offline.ttft_cut_ceiling)"
             )
         e = m.extra
         contiguous = e["num_kv_blocks"] * e["block_size"] // e["max_model_len"]

@@ -49,13 +49,12 @@ def build_decode_batch(
             rows_t = None if len(parts) == 1 else torch.as_tensor(rows, device=device)
             batch.buckets.append(DecodeBucket(rows_t, tables_b, bias_b))
     if groups:
-        ptables, pbias = _padded(
-            [tables[rows[0]][:n] for rows, n in groups],
-            [n * bs for _, n in groups],
-            bs,
-            device,
-            dtype,
-        )
+        prefixes = [tables[rows[0]][:n] for rows, n in groups]
+        prefix_lens = [n * bs for _, n in groups]
+        if in_place:  # no padding bias, no reuse key: the kernel reads each prefix's own length
+            ptables, pbias = _table_tensor(prefixes, device), None
+        else:
+            ptables, pbias = _padded(prefixes, prefix_lens, bs, device, dtype)
         width = max(len(rows) for rows, _ in groups)
         members = np.zeros((len(groups), width), dtype=np.int64)
         slots, grouped = [], []
@@ -69,10 +68,9 @@ def build_decode_batch(
             rows=torch.as_tensor(members, device=device),
             member_slots=torch.as_tensor(slots, device=device),
             grouped_rows=torch.as_tensor(grouped, device=device),
-            key=_prefix_key(tables, hashes, groups),
+            key=() if in_place else _prefix_key(tables, hashes, groups),
+            lens=torch.as_tensor(prefix_lens, device=device) if in_place else None,
         )
-        if in_place:
-            batch.shared.lens = torch.as_tensor([n * bs for _, n in groups], device=device)
     return batch
 
 

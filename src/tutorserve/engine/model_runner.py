@@ -100,7 +100,7 @@ class ModelRunner:
                 dec_hashes.append(seq.block_hashes)
                 dec_lens.append(end)
             elif self.in_place:
-                table_t = torch.as_tensor([table], device=dev)
+                table_t = torch.as_tensor(table, device=dev)
                 bounds = torch.tensor([end]), torch.tensor([start])
                 prefills.append(PrefillChunk(offset, offset + n, end, table_t, None, *bounds))
             elif start == 0:

@@ -21,7 +21,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
+
+# The dtypes the kernels take, by the `is_bf16` flag they pass for each.
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
@@ -31,14 +36,18 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-strict-ali
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
+    """The kernels' library, or None when it cannot be built or loaded, or this CPU lacks
+    AVX-512 (which every kernel needs)."""
     path = _build()
     if path is None:
         return None
     try:
-        return ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path))
     except OSError as e:
         log.warning("cannot load the CPU kernels (%s); using plain PyTorch instead", e)
         return None
+    lib.tutorserve_isa.argtypes, lib.tutorserve_isa.restype = [], ctypes.c_int
+    return lib if lib.tutorserve_isa() > 0 else None
 
 
 def _build() -> Path | None:

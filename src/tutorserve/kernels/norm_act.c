@@ -8,7 +8,7 @@
  * result is rounded before the product.
  *
  * Rows are contiguous, of n elements (a multiple of 16), float32 or bfloat16 (`is_bf16`).
- * Needs AVX-512; `norm_act_isa` says 0 without it, and callers then use PyTorch ops.
+ * Needs AVX-512 (`tutorserve_isa`); without it callers use PyTorch ops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,14 +41,6 @@ static inline void store16(void *p, int64_t i, __m512 x, int is_bf16) {
 }
 
 #endif
-
-int norm_act_isa(void) {
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 /* out = weight * (h / rms(h)) with h = x (+ residual, in which case residual := h). */
 int add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,

@@ -9,17 +9,16 @@ import functools
 
 import torch
 
-from tutorserve.kernels.build import library
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from tutorserve.kernels.build import DTYPES, library
 
 
-def supports(x: torch.Tensor) -> bool:
-    """Whether `x` (rows of activations) can go through these kernels."""
+def supports(x: torch.Tensor, width: int) -> bool:
+    """Whether `x` can go through these kernels as rows of `width` elements each (the kernels
+    take widths in multiples of 16)."""
     return (
         x.device.type == "cpu"
-        and x.dtype in _DTYPES
-        and x.shape[-1] % 16 == 0
+        and x.dtype in DTYPES
+        and width % 16 == 0
         and x.is_contiguous()
         and _library() is not None
     )
@@ -40,7 +39,7 @@ def add_rms_norm(
     with torch.profiler.record_function("tutorserve::add_rms_norm"):
         status = lib.add_rms_norm(
             x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-            out.data_ptr(), rows, n, eps, _DTYPES[x.dtype], torch.get_num_threads(),
+            out.data_ptr(), rows, n, eps, DTYPES[x.dtype], torch.get_num_threads(),
         )  # fmt: skip
     if status != 0:
         raise ValueError(f"add_rms_norm cannot run rows of {n} on this CPU")
@@ -56,7 +55,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
     with torch.profiler.record_function("tutorserve::silu_mul"):
         status = lib.silu_mul(
-            gate_up.data_ptr(), out.data_ptr(), out.numel() // n, n, _DTYPES[gate_up.dtype],
+            gate_up.data_ptr(), out.data_ptr(), out.numel() // n, n, DTYPES[gate_up.dtype],
             torch.get_num_threads(),
         )  # fmt: skip
     if status != 0:
@@ -74,6 +73,4 @@ def _library() -> ctypes.CDLL | None:
     lib.add_rms_norm.restype = i32
     lib.silu_mul.argtypes = [ptr, ptr, i64, i64, i32, i32]
     lib.silu_mul.restype = i32
-    lib.norm_act_isa.argtypes = []
-    lib.norm_act_isa.restype = i32
-    return lib if lib.norm_act_isa() > 0 else None
+    return lib

@@ -16,7 +16,7 @@
  *           i then sees keys up to position causal + i / group (NULL: every query sees all)
  *   out     [sets, kv_heads, nq, dim] float32
  *   lse     [sets, kv_heads, nq] float32 (-inf for a set with no keys)
- * Needs AVX-512 (`paged_attention_isa` says 0 without it; callers then gather blocks). With
+ * Needs AVX-512 (`tutorserve_isa` says 0 without it; callers then gather blocks). With
  * AVX512-BF16, bfloat16 at head sizes 64 and 128 takes the bf16 dot-product path; every other
  * case widens to float32 and uses FMAs.
  */
@@ -263,17 +263,6 @@ static void attend_bf16_##D(const Args *a, int64_t set, int64_t head, int64_t q0
 ATTEND_BF16(64)
 ATTEND_BF16(128)
 #endif
-
-/* 2: the bfloat16 dot-product path exists (dims 64 and 128); 1: float32 FMA only; 0: none. */
-int paged_attention_isa(void) {
-#if defined(__AVX512BF16__)
-    return 2;
-#elif defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 int paged_attention(const void *q, const void *k, const void *v, const int64_t *tables,
                     const int64_t *lens, const int64_t *causal, int64_t sets, int64_t kv_heads,

@@ -14,21 +14,19 @@ import functools
 
 import torch
 
-from tutorserve.kernels.build import library
+from tutorserve.kernels.build import DTYPES, library
 
 MAX_HEAD_DIM = 256
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether attention on this device, cache dtype and head size can run in the kernel."""
     return (
         device.type == "cpu"
-        and dtype in _DTYPES
+        and dtype in DTYPES
         and head_dim % 16 == 0
         and head_dim <= MAX_HEAD_DIM
-        and (lib := _library()) is not None
-        and lib.paged_attention_isa() > 0
+        and _library() is not None
     )
 
 
@@ -53,7 +51,7 @@ def paged_attention(
         raise RuntimeError("the CPU attention kernel is not available")
     sets, kvh, nq, dim = q.shape
     _, num_blocks, block_size, _ = k_cache.shape
-    if k_cache.dtype not in _DTYPES or not q.dtype == k_cache.dtype == v_cache.dtype:
+    if k_cache.dtype not in DTYPES or not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError("paged_attention needs q, k and v of one dtype, float32 or bfloat16")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and tables.is_contiguous()):
         raise ValueError("paged_attention needs contiguous caches and tables")
@@ -68,7 +66,7 @@ def paged_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), None if causal is None else causal.data_ptr(), sets, kvh, nq,
             group, dim, num_blocks, block_size, tables.shape[1], scale,
-            _DTYPES[k_cache.dtype], out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+            DTYPES[k_cache.dtype], out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
     if status != 0:
         raise ValueError(f"paged_attention cannot run head size {dim} on this CPU")
@@ -84,6 +82,4 @@ def _library() -> ctypes.CDLL | None:
     lib.paged_attention.argtypes = [ptr] * 6 + [i64] * 8 + [ctypes.c_float, ctypes.c_int]
     lib.paged_attention.argtypes += [ptr, ptr, ctypes.c_int]
     lib.paged_attention.restype = ctypes.c_int
-    lib.paged_attention_isa.argtypes = []
-    lib.paged_attention_isa.restype = ctypes.c_int
     return lib

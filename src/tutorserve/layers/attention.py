@@ -91,7 +91,7 @@ class PagedAttention(nn.Module):
         n, kvh, g, dim = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         qs = q.view(n, kvh, g, dim).transpose(0, 1).reshape(1, kvh, n * g, dim)
         o, _ = paged_attention(
-            qs, self.k_cache, self.v_cache, p.block_table, p.kv_len, self.scale, p.q_start, g
+            qs, self.k_cache, self.v_cache, p.block_table[None], p.kv_len, self.scale, p.q_start, g
         )
         return o.view(kvh, n, g, dim).transpose(0, 1).reshape(n, self.num_heads, dim).to(q.dtype)
 

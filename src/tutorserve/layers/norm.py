@@ -21,7 +21,7 @@ class RMSNorm(nn.Module):
         """RMSNorm(x); with a residual, (RMSNorm(x + residual), x + residual), the sum written
         into `residual` when the CPU kernel runs (one pass over the rows instead of ~8)."""
         fusable = residual is None or residual.is_contiguous()
-        if fusable and norm_act.supports(x) and self.weight.dtype == x.dtype:
+        if fusable and norm_act.supports(x, x.shape[-1]) and self.weight.dtype == x.dtype:
             out = norm_act.add_rms_norm(x, residual, self.weight, self.eps)
             return out if residual is None else (out, residual)
         if residual is not None:
