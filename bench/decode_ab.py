@@ -7,9 +7,13 @@ segments on the same running batch, so the box's noise hits both sides alike.
     .venv/bin/python bench/decode_ab.py suffix-flash --pairs 10   # a change tried and not landed
     .venv/bin/python bench/decode_ab.py in-place --pairs 10
     .venv/bin/python bench/decode_ab.py fused-norm-act --pairs 10
+    .venv/bin/python bench/decode_ab.py kv-bf16 --dtype float32   # two engines, same requests
+    TUTORSERVE_CPU_ISA=avx2 .venv/bin/python bench/decode_ab.py in-place --batch 16 \
+        --dtype float32 --kv-cache-dtype bfloat16   # one ISA level of the kernels, forced
 
-Workload: the offline benchmark's 64 students of 8 courses (~1,100-token prompts), run until
-every request is decoding, then decode at batch 64.
+Workload: the offline benchmark's 64 students of 8 courses (~1,100-token prompts; `--batch N`
+takes the first N, students dealt round the courses), run until every request is
+decoding, then decode at batch N. `TUTORSERVE_CPU_ISA` picks the kernels' level.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import tutorserve.layers.attention as attention
 import tutorserve.layers.rotary as rotary
 from tutorserve import LLM, SamplingParams
 from tutorserve.bench.workloads import edu_shared_prefix
-from tutorserve.kernels import norm_act
+from tutorserve.kernels import isa, norm_act
 
 
 def _rope_per_layer(self, positions, q, k):  # the method as it was
@@ -74,28 +78,43 @@ def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    changes = ["fused-norm-act", "in-place", "prefix-reuse", "rope-per-step", "suffix-flash"]
+    changes = ["fused-norm-act", "in-place", "kv-bf16", "prefix-reuse", "rope-per-step"]
+    changes.append("suffix-flash")
     p.add_argument("change", choices=changes)
     p.add_argument("--pairs", type=int, default=10)
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--batch", type=int, default=64, help="decode rows (1 to 64)")
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     a = p.parse_args()
-    llm = LLM(a.model, dtype="bfloat16")
-    with_it, without, switch = _toggles(llm)[a.change]
-    engine = llm.engine
+    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype)
+    kernels, levels = isa.active(), ", ".join(isa.cpu_levels())
+    print(f"model {llm.engine.dtype}, KV cache {llm.engine.kv_dtype}, kernels "
+          f"{kernels.level if kernels else 'none'} (CPU runs {levels})")  # fmt: skip
+    engines = {True: llm.engine, False: llm.engine}
+    if a.change == "kv-bf16":  # a storage dtype is fixed per engine: a second one, float32 KV
+        with_it, without, switch = "KV stored in bf16", "KV stored in float32", lambda on: None
+        engines[True] = LLM(a.model, dtype=a.dtype, kv_cache_dtype="bfloat16").engine
+        engines[False] = LLM(a.model, dtype=a.dtype, kv_cache_dtype="float32").engine
+    else:
+        with_it, without, switch = _toggles(llm)[a.change]
     params = SamplingParams(temperature=0, max_tokens=64 + 10 * a.pairs, ignore_eos=True)
-    for i, r in enumerate(edu_shared_prefix(llm.tokenizer, seed=1)):
-        engine.add_request(f"p{i}", r.prompt_token_ids, params)
-    sched = engine.scheduler
-    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
-        engine.step()
+    for engine in set(engines.values()):
+        for i, r in enumerate(edu_shared_prefix(llm.tokenizer, seed=1)[: a.batch]):
+            engine.add_request(f"p{i}", r.prompt_token_ids, params)
+        sched = engine.scheduler
+        while sched.waiting or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in sched.running
+        ):
+            engine.step()
     ms: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(a.pairs):
         for on in (True, False):
             switch(on)
-            engine.step()  # the first step after a switch pays for it (e.g. a fresh gather)
+            engines[on].step()  # the first step after a switch pays for it (a fresh gather)
             start = time.perf_counter()
             for _ in range(4):
-                engine.step()
+                engines[on].step()
             ms[on].append((time.perf_counter() - start) / 4 * 1e3)
     switch(True)
     wins = sum(x < y for x, y in zip(ms[True], ms[False], strict=True))

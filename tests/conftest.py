@@ -12,12 +12,39 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from tutorserve.kernels import isa
 from tutorserve.models.synth import SynthSpec, synth_model
 
 # CLI subprocesses default to a disk tier and a tutor store in the home folder; tests keep
 # theirs in temporary folders.
 os.environ["TUTORSERVE_KV_DIR"] = tempfile.mkdtemp(prefix="tutorserve-kv-")
 os.environ["TUTORSERVE_DATA_DIR"] = tempfile.mkdtemp(prefix="tutorserve-data-")
+
+
+def _kernel_level(level):
+    runs = isa.cpu_levels()
+    if level not in runs:
+        pytest.skip(f"this CPU cannot run the {level} kernels (it runs: {', '.join(runs)})")
+    with isa.use(level):
+        yield level
+
+
+@pytest.fixture(params=isa.LEVELS)
+def cpu_isa(request):
+    """Each ISA level of the CPU kernels, active during the test. A level this CPU cannot run
+    is skipped with the reason; one it can run must build (the Makefile installs a compiler)."""
+    yield from _kernel_level(request.param)
+
+
+@pytest.fixture(params=["gather", *isa.LEVELS])
+def attention_path(request):
+    """Whether attention reads blocks in place: "gather" (what GPUs run), or the CPU kernel at
+    each ISA level (skipped where the CPU cannot run it)."""
+    if request.param == "gather":
+        yield False
+    else:
+        for _ in _kernel_level(request.param):
+            yield True
 
 
 @pytest.fixture(scope="session")

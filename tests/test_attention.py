@@ -1,12 +1,14 @@
 """Paged attention against dense reference attention, including cascade (shared-prefix) decode."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tutorserve.engine.attn_metadata import build_decode_batch
 from tutorserve.engine.context import PrefillChunk, StepContext, reset_context, set_context
-from tutorserve.kernels import build
+from tutorserve.kernels import build, isa
 from tutorserve.kernels import paged_attention as kernel
 from tutorserve.kernels.paged_attention import paged_attention
 from tutorserve.layers.attention import PagedAttention
@@ -14,11 +16,12 @@ from tutorserve.layers.attention import PagedAttention
 BS, KVH, GROUP, DIM, BLOCKS = 4, 2, 3, 16, 96
 
 
-def make_layer(seed=0):
+def make_layer(seed=0, kv_dtype=torch.float32):
+    """A layer over random caches in `kv_dtype` (a float32 model may store its KV in bf16)."""
     g = torch.Generator().manual_seed(seed)
     attn = PagedAttention(KVH * GROUP, KVH, DIM)
-    attn.k_cache = torch.randn(KVH, BLOCKS, BS, DIM, generator=g)
-    attn.v_cache = torch.randn(KVH, BLOCKS, BS, DIM, generator=g)
+    attn.k_cache = torch.randn(KVH, BLOCKS, BS, DIM, generator=g).to(kv_dtype)
+    attn.v_cache = torch.randn(KVH, BLOCKS, BS, DIM, generator=g).to(kv_dtype)
     return attn
 
 
@@ -33,7 +36,8 @@ def reference_decode(attn, q, k_new, v_new, tables, lens):
     outs = []
     for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
         k, v = context_kv(attn, t, n)
-        k[:, n - 1], v[:, n - 1] = k_new[i], v_new[i]
+        k[:, n - 1], v[:, n - 1] = k_new[i], v_new[i]  # rounded as the cache stores them
+        k, v = k.float(), v.float()
         o = F.scaled_dot_product_attention(
             q[i].unsqueeze(1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), enable_gqa=True
         )
@@ -47,10 +51,11 @@ def slots_of(tables, lens):
     )
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["kernel", "gather"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("share", [True, False])
-def test_decode_with_shared_prefixes_matches_dense(share, in_place):
-    attn = make_layer()
+def test_decode_with_shared_prefixes_matches_dense(share, attention_path, kv_dtype):
+    in_place = attention_path
+    attn = make_layer(kv_dtype=kv_dtype)
     prefix_a, prefix_b = [1, 2, 3, 4, 5, 6], [9, 10]
     tables = [
         [*prefix_a, 20, 21],
@@ -93,17 +98,22 @@ def _check_decode(attn, tables, lens, share, hashes, seed, in_place=False):
     return batch
 
 
-@pytest.mark.parametrize("in_place", [True, False], ids=["kernel", "gather"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cached", [9, 0])
-def test_prefill_chunk_after_cached_prefix_matches_dense(cached, in_place):
-    attn = make_layer(seed=2)
+def test_prefill_chunk_after_cached_prefix_matches_dense(cached, attention_path, kv_dtype):
+    in_place = attention_path
+    attn = make_layer(seed=2, kv_dtype=kv_dtype)
     table, new = [7, 8, 9, 10, 11], 8  # 9 cached tokens (or none) and 8 new ones
     total = cached + new
     g = torch.Generator().manual_seed(3)
     q = torch.randn(new, KVH * GROUP, DIM, generator=g)
     k_new, v_new = torch.randn(new, KVH, DIM, generator=g), torch.randn(new, KVH, DIM, generator=g)
-    k, v = context_kv(attn, table, total)
-    k[:, cached:], v[:, cached:] = k_new.transpose(0, 1), v_new.transpose(0, 1)
+    k, v = (x.float() for x in context_kv(attn, table, total))
+    # Attention reads the new K/V back from the cache, rounded to its dtype, except a whole
+    # first chunk on the gather path, which attends to them as computed.
+    fresh = not in_place and not cached
+    k[:, cached:] = k_new.transpose(0, 1) if fresh else k_new.transpose(0, 1).to(kv_dtype)
+    v[:, cached:] = v_new.transpose(0, 1) if fresh else v_new.transpose(0, 1).to(kv_dtype)
     mask = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]
     ref = (
         F.scaled_dot_product_attention(
@@ -133,7 +143,8 @@ def test_prefill_chunk_after_cached_prefix_matches_dense(cached, in_place):
         reset_context()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # The new K/V landed in the cache at the slot mapping.
-    torch.testing.assert_close(context_kv(attn, table, total)[0][:, cached:], k_new.transpose(0, 1))
+    stored = context_kv(attn, table, total)[0][:, cached:]
+    torch.testing.assert_close(stored, k_new.transpose(0, 1).to(kv_dtype))
 
 
 def _decode_step(attn, tables, lens, hashes, seed):
@@ -199,31 +210,51 @@ def test_rotary_looks_positions_up_once_per_step_and_never_reuses_another_steps(
     assert got[0].dtype == torch.float64
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+DTYPE_PAIRS = {  # (queries, K/V cache)
+    "f32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "f32-q-bf16-kv": (torch.float32, torch.bfloat16),  # bf16 storage, float32 math
+}
+
+
+def _random_sets(dtypes, block_size, queries, dim, seed=13):
+    """Five key sets (1 key, a partial block, exactly full blocks, many blocks) over a shuffled
+    cache, with `queries` queries per KV head each."""
+    qdt, kvdt = dtypes
+    g = torch.Generator().manual_seed(seed)
+    kvh, blocks = 2, 64
+    k_cache = torch.randn(kvh, blocks, block_size, dim, generator=g).to(kvdt)
+    v_cache = torch.randn(kvh, blocks, block_size, dim, generator=g).to(kvdt)
+    lens = [1, block_size - 1, block_size, 3 * block_size, 5 * block_size + 2]
+    order = torch.randperm(blocks, generator=g).tolist()
+    tables = [order[6 * r : 6 * r + -(-n // block_size)] for r, n in enumerate(lens)]
+    q = torch.randn(len(lens), kvh, queries, dim, generator=g).to(qdt)
+    table_t = torch.tensor([t + [0] * (6 - len(t)) for t in tables])
+    return q, k_cache, v_cache, tables, table_t, lens
+
+
+def _tolerance(dtypes):
+    """bf16 queries with a bf16 cache may take the bf16 dot-product path (AVX512-BF16), which
+    rounds probabilities to bf16 as flash attention does; every other case is float32 math on
+    the same (rounded) inputs."""
+    return 2e-2 if dtypes == DTYPE_PAIRS["bf16"] else 1e-5
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS.values(), ids=DTYPE_PAIRS.keys())
 @pytest.mark.parametrize(
     ("block_size", "queries", "dim"),
     [(16, 3, 64), (16, 24, 64), (4, 1, 16), (8, 5, 128), (32, 4, 32), (16, 37, 64)],
 )
 def test_the_cpu_kernel_matches_dense_attention_and_its_log_sum_exp(
-    dtype, block_size, queries, dim
+    cpu_isa, dtypes, block_size, queries, dim
 ):
-    """The C kernel reads blocks where they lie: sets of 1 key, a partial block, exactly full
-    blocks and many blocks, several queries per set (a GQA group, or a course's students),
-    against softmax attention in float64 on the same (rounded) K/V. bf16 at dims 64 and 128
-    takes the bf16 dot-product path, which rounds probabilities to bf16 as flash attention
-    does; other dims widen to float32."""
-    g = torch.Generator().manual_seed(13)
-    kvh, blocks = 2, 64
-    k_cache = torch.randn(kvh, blocks, block_size, dim, generator=g).to(dtype)
-    v_cache = torch.randn(kvh, blocks, block_size, dim, generator=g).to(dtype)
-    lens = [1, block_size - 1, block_size, 3 * block_size, 5 * block_size + 2]
-    order = torch.randperm(blocks, generator=g).tolist()
-    tables = [order[6 * r : 6 * r + -(-n // block_size)] for r, n in enumerate(lens)]
-    q = torch.randn(len(lens), kvh, queries, dim, generator=g).to(dtype)
-    table_t = torch.tensor([t + [0] * (6 - len(t)) for t in tables])
-    scale = dim**-0.5
+    """The C kernel at each ISA level reads blocks where they lie: sets of 1 key, a partial
+    block, exactly full blocks and many blocks, several queries per set (a GQA group, or a
+    course's students), against softmax attention in float64 on the same (rounded) K/V."""
+    q, k_cache, v_cache, tables, table_t, lens = _random_sets(dtypes, block_size, queries, dim)
+    kvh, scale = k_cache.shape[0], dim**-0.5
     out, lse = paged_attention(q, k_cache, v_cache, table_t, torch.tensor(lens), scale)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = _tolerance(dtypes)
     for r, (t, n) in enumerate(zip(tables, lens, strict=True)):
         k = k_cache[:, t].reshape(kvh, -1, dim)[:, :n].double()
         v = v_cache[:, t].reshape(kvh, -1, dim)[:, :n].double()
@@ -234,18 +265,35 @@ def test_the_cpu_kernel_matches_dense_attention_and_its_log_sum_exp(
         torch.testing.assert_close(lse[r].double(), want_lse, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS.values(), ids=DTYPE_PAIRS.keys())
+def test_every_level_matches_the_scalar_kernel(cpu_isa, dtypes):
+    """The SIMD levels against the plain-C reference on the same inputs, at the head sizes the
+    kernels specialise (64, 128) and one they do not (48)."""
+    for dim in (64, 128, 48):
+        args = _random_sets(dtypes, 16, 7, dim, seed=dim)
+        q, k_cache, v_cache, _, table_t, lens = args
+        call = (q, k_cache, v_cache, table_t, torch.tensor(lens), dim**-0.5)
+        out, lse = paged_attention(*call)
+        with isa.use("scalar"):
+            want, want_lse = paged_attention(*call)
+        tol = _tolerance(dtypes)
+        torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS.values(), ids=DTYPE_PAIRS.keys())
 @pytest.mark.parametrize("dim", [64, 32])
-def test_the_cpu_kernel_attends_causally_for_prefill_chunks(dtype, dim):
+def test_the_cpu_kernel_attends_causally_for_prefill_chunks(cpu_isa, dtypes, dim):
     """Causal sets: a chunk of 21 tokens whose first sits at position 30, its 3 query heads
     per KV head folded into 63 queries: each sees the keys up to its own position only."""
+    qdt, kvdt = dtypes
     g = torch.Generator().manual_seed(14)
     kvh, group, bs, blocks, start, n = 2, 3, 16, 8, 30, 21
-    k_cache = torch.randn(kvh, blocks, bs, dim, generator=g).to(dtype)
-    v_cache = torch.randn(kvh, blocks, bs, dim, generator=g).to(dtype)
+    k_cache = torch.randn(kvh, blocks, bs, dim, generator=g).to(kvdt)
+    v_cache = torch.randn(kvh, blocks, bs, dim, generator=g).to(kvdt)
     table = [5, 2, 7, 0]
     total = start + n
-    q = torch.randn(1, kvh, n * group, dim, generator=g).to(dtype)
+    q = torch.randn(1, kvh, n * group, dim, generator=g).to(qdt)
     out, _ = paged_attention(
         q, k_cache, v_cache, torch.tensor([table]), torch.tensor([total]), dim**-0.5,
         torch.tensor([start]), group,
@@ -256,13 +304,18 @@ def test_the_cpu_kernel_attends_causally_for_prefill_chunks(dtype, dim):
     pos = start + torch.arange(n * group) // group
     scores[:, torch.arange(total)[None, :] > pos[:, None]] = float("-inf")
     want = torch.softmax(scores, -1) @ v
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = _tolerance(dtypes)
     torch.testing.assert_close(out[0].double(), want, atol=tol, rtol=tol)
 
 
-def test_the_cpu_kernel_is_built_and_used_for_decode_on_cpu():
-    """`make test` runs where a C compiler is (the Makefile sees to it) on an AVX-512 CPU: the
-    kernel must build and be chosen for CPU attention at the head sizes it handles."""
+def test_the_best_level_this_cpu_runs_is_built_and_used_for_attention(monkeypatch):
+    """`make test` runs where a C compiler is (the Makefile sees to it): the kernels must build
+    at the best level the CPU runs and be chosen for CPU attention at the head sizes they
+    handle."""
+    monkeypatch.delenv(isa.ENV, raising=False)
+    levels = isa.cpu_levels()
+    assert levels[0] == "scalar"
+    assert isa._choose().level == levels[-1]
     cpu = torch.device("cpu")
     assert kernel.supports(cpu, torch.bfloat16, 64)
     assert kernel.supports(cpu, torch.float32, 16)
@@ -271,16 +324,67 @@ def test_the_cpu_kernel_is_built_and_used_for_decode_on_cpu():
     assert not kernel.supports(torch.device("meta"), torch.float32, 64)
 
 
+def test_the_override_forces_a_lower_level_and_refuses_what_the_cpu_lacks(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger=isa.__name__)
+    levels = isa.cpu_levels()
+    for level in levels:
+        monkeypatch.setenv(isa.ENV, level)
+        chosen = isa._choose()
+        assert chosen.level == level
+        assert chosen.lib.tutorserve_level() == isa.LEVELS.index(level)
+    assert f"CPU kernels: {levels[0]}" in caplog.text  # which level runs is logged
+    monkeypatch.setenv(isa.ENV, "avx1024")
+    with pytest.raises(ValueError, match="choose one of scalar, neon, avx2"):
+        isa._choose()
+    # A level above the CPU's (simulated: a CPU that runs scalar only) is a warning, not SIGILL.
+    monkeypatch.setenv(isa.ENV, "avx2")
+    monkeypatch.setattr(isa, "cpu_levels", lambda: ["scalar"])
+    assert isa._choose().level == "scalar"
+    assert "this CPU runs only scalar" in caplog.text
+    with pytest.raises(ValueError, match="cannot run the avx2 kernels"):
+        isa.use("avx2").__enter__()
+
+
+def test_a_compiler_without_a_levels_intrinsics_costs_only_that_level(
+    monkeypatch, tmp_path, caplog
+):
+    """An old compiler that cannot build AVX-512 code (simulated by a wrapper that rejects the
+    flags): a warning, and the best level below runs."""
+    levels = isa.cpu_levels()
+    if not {"avx2", "avx512"} <= set(levels):
+        pytest.skip(f"needs a CPU that runs avx2 and avx512 (this one runs: {', '.join(levels)})")
+    wrapper = tmp_path / "old-cc"
+    wrapper.write_text(
+        '#!/bin/sh\nfor a; do case "$a" in -mavx512*) echo "unknown $a" >&2; exit 1;; esac; done\n'
+        'exec cc "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.delenv(isa.ENV, raising=False)
+    build.load.cache_clear()
+    try:
+        assert isa._choose().level == "avx2"
+        assert "building the avx512 CPU kernels failed" in caplog.text
+    finally:
+        build.load.cache_clear()
+
+
 def test_without_a_working_compiler_attention_gathers_blocks(monkeypatch, tmp_path, caplog):
     """A compiler that fails, or a cache directory that cannot be written, is a warning and
     the gather path, never an error at engine start."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    assert build._build() is None
-    assert "building the CPU kernels failed" in caplog.text
+    assert build._build("scalar") is None
+    assert "building the scalar CPU kernels failed" in caplog.text
     monkeypatch.setenv("CC", "cc")
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache directory should be")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
-    assert build._build() is None
+    assert build._build("scalar") is None
     assert not list(tmp_path.glob("**/*.so"))
+    build.load.cache_clear()
+    try:  # with nothing built, nothing is chosen: callers take their PyTorch paths
+        assert isa.cpu_levels() == [] and isa._choose() is None
+    finally:
+        build.load.cache_clear()

@@ -1,8 +1,10 @@
 """Engine behaviour end to end on a tiny synthetic model (float32, greedy unless stated)."""
 
 import pytest
+import torch
 
 from tutorserve import LLM, SamplingParams
+from tutorserve.engine.device import cpu_has_native_bf16, resolve_dtype, resolve_kv_dtype
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -191,3 +193,37 @@ def test_chat_uses_template(synth_llama):
         SamplingParams(temperature=0, max_tokens=4),
     )
     assert len(outs) == 2 and all(o.token_ids for o in outs)
+
+
+def test_a_float32_model_can_store_its_kv_cache_in_bf16(synth_llama, mixed_prompts):
+    """bf16 storage under float32 math (the default on CPUs without native bf16): twice the
+    blocks in the same bytes, and every path reads the same rounded K/V, so outputs agree with
+    and without prefix caching, batched or alone."""
+    f32 = LLM(synth_llama, dtype="float32", kv_cache_bytes=8 << 20)
+    opts = dict(dtype="float32", kv_cache_dtype="bfloat16", kv_cache_bytes=8 << 20)
+    alone = LLM(synth_llama, **opts, enable_prefix_caching=False)
+    batched = LLM(synth_llama, **opts)
+    assert batched.engine.runner.k_cache.dtype == torch.bfloat16
+    assert batched.engine.runner.in_place
+    assert batched.engine.kv.pool.num_blocks == 2 * f32.engine.kv.pool.num_blocks
+    want = [alone.generate([p], GREEDY)[0].token_ids for p in mixed_prompts]
+    outs = batched.generate(mixed_prompts, GREEDY)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.metrics.num_cached_tokens for o in outs) > 0
+    assert_no_leaks(batched)
+
+
+def test_auto_dtypes_follow_the_cpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    native = cpu_has_native_bf16()
+    model = resolve_dtype("auto", cpu)
+    assert model == (torch.bfloat16 if native else torch.float32)
+    # Without native bf16 the model computes in float32 and its KV is stored in bf16.
+    assert resolve_kv_dtype("auto", "auto", torch.float32, cpu) == torch.bfloat16
+    assert resolve_kv_dtype("auto", "auto", torch.bfloat16, cpu) == torch.bfloat16
+    # A dtype asked for is kept for the KV cache too, unless that is asked for separately.
+    assert resolve_kv_dtype("auto", "float32", torch.float32, cpu) == torch.float32
+    assert resolve_kv_dtype("bfloat16", "float32", torch.float32, cpu) == torch.bfloat16
+    assert resolve_kv_dtype("auto", "auto", torch.float16, cuda) == torch.float16
+    with pytest.raises(ValueError, match="kv_cache_dtype must be"):
+        LLM("unused", kv_cache_dtype="int8")

@@ -1,5 +1,5 @@
-"""The fused CPU kernels for residual add + RMSNorm and SiLU * up, against the PyTorch ops they
-replace (the reference implementations' rounding, step by step)."""
+"""The fused CPU kernels for residual add + RMSNorm and SiLU * up at each ISA level, against the
+PyTorch ops they replace (the reference implementations' rounding, step by step)."""
 
 import pytest
 import torch
@@ -31,7 +31,7 @@ def assert_within_two_ulps(got, want):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 64, 2048])
-def test_add_rms_norm_matches_the_pytorch_ops(dtype, rows):
+def test_add_rms_norm_matches_the_pytorch_ops(cpu_isa, dtype, rows):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=g).to(dtype)
     residual = torch.randn(rows, 576, generator=g).to(dtype)
@@ -52,7 +52,7 @@ def test_add_rms_norm_matches_the_pytorch_ops(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_the_pytorch_ops(dtype):
+def test_silu_mul_matches_the_pytorch_ops(cpu_isa, dtype):
     g = torch.Generator().manual_seed(3)
     gate_up = (4 * torch.randn(300, 2 * 1536, generator=g)).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero gates

@@ -11,7 +11,10 @@ N_NEW = 24
 
 
 @pytest.mark.parametrize("fixture", ["synth_llama", "synth_qwen2"])
-def test_synthetic_parity_batched_with_shared_prefixes(fixture, mixed_prompts, request, hf_greedy):
+def test_synthetic_parity_batched_with_shared_prefixes(
+    fixture, mixed_prompts, request, hf_greedy, cpu_isa
+):
+    """With each ISA level of the CPU kernels forced (attention, norm and activation)."""
     path = request.getfixturevalue(fixture)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ref = hf_greedy(hf, mixed_prompts, N_NEW)

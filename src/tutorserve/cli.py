@@ -20,6 +20,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL, help="registered name, HF dir or .gguf file")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="KV storage dtype (auto: the model's; on a CPU without native bf16, bf16 storage)",
+    )
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV budget in blocks")
@@ -101,6 +107,7 @@ def add_tutor_args(p: argparse.ArgumentParser) -> None:
 def engine_options(a: argparse.Namespace) -> dict[str, Any]:
     return {
         "dtype": a.dtype,
+        "kv_cache_dtype": a.kv_cache_dtype,
         "device": a.device,
         "block_size": a.block_size,
         "num_kv_blocks": a.num_kv_blocks,

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 class EngineConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    # The KV cache's storage dtype; auto: the model's (see engine/device.py for CPUs).
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
     # KV budget: an explicit block count wins over a byte budget.
@@ -73,7 +75,9 @@ class EngineConfig:
             raise ValueError("session_ttl must be positive")
         if self.max_bypass < 0:
             raise ValueError("max_bypass must be >= 0")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype}")
+        for name in ("dtype", "kv_cache_dtype"):
+            value = getattr(self, name)
+            if value not in ("auto", "float32", "bfloat16", "float16"):
+                raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, got {value}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device}")

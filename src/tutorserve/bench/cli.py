@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tutorserve.bench.systems import SYSTEMS
+from tutorserve.bench.systems import SYSTEMS, host_dtype
 from tutorserve.config import EngineConfig
 from tutorserve.models.registry import DEFAULT_MODEL
 
@@ -27,6 +27,14 @@ ALL_SYSTEMS = (
     "vllm-allcores",
 )
 WARM = "tutorserve (prefix cache, courses warm)"
+
+
+# Every system of a benchmark computes in one dtype; auto is the host's fastest (`host_dtype`).
+DTYPE_ARG: dict[str, Any] = dict(
+    default="auto",
+    choices=["auto", "float32", "bfloat16"],
+    help="every system's dtype (auto: bfloat16 on CPUs with native bf16, else float32)",
+)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +52,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--question-tokens", type=int, default=60)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", **DTYPE_ARG)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -66,6 +74,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-rates", default="0.5,1,2", help="comma-separated, req/s")
     p.add_argument("--max-num-seqs", type=int, default=32, help="server batch limit, every system")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool, every system")
+    p.add_argument("--dtype", **DTYPE_ARG)
     p.add_argument("--port", type=int, default=8500)
     add_workload_args(p)
     p.add_argument("--out", default="bench-results/serving")
@@ -86,7 +95,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--lengths", default="2048,4096", help="history tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", **DTYPE_ARG)
     p.add_argument("--out", default="bench-results/kv-tiers", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_kv_restore)
 
@@ -98,14 +107,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-loras", type=int, default=64, help="compute slots")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", **DTYPE_ARG)
     p.add_argument("--vllm", action="store_true", help="also vLLM-CPU (all cores) with LoRA")
     p.add_argument("--out", default="bench-results/multi-lora", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_multi_lora)
 
     p = bench.add_parser("tutor", help="tutoring turns: critical path vs sum of steps, guard use")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", **DTYPE_ARG)
     p.add_argument("--students", type=int, default=4, help="concurrent students per course")
     p.add_argument("--problems", type=int, default=3, help="problems each student works through")
     p.add_argument("--out", default="bench-results/tutor")
@@ -119,7 +128,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     p = bench.add_parser("profile-decode", help="torch.profiler table of decode steps")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", **DTYPE_ARG)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=25, help="profiler table rows")
     p.set_defaults(func=cmd_profile_decode)
@@ -155,9 +164,12 @@ def _offline_repeat(
             system, a.model, timed, warm, enable_prefix_caching=False, **engine_opts
         )
     if system == "transformers":
-        res = offline.run_transformers(hf_dir, timed, warm, a.hf_batch_size, a.dtype)
+        res = offline.run_transformers(hf_dir, timed, warm, a.hf_batch_size, host_dtype(a.dtype))
         return res.system, res
-    vres = offline.run_vllm(hf_dir, timed, a.max_num_seqs, system == "vllm-allcores")
+    extra = ["--dtype", host_dtype(a.dtype)]
+    vres = offline.run_vllm(
+        hf_dir, timed, a.max_num_seqs, system == "vllm-allcores", extra_args=extra
+    )
     return None if vres is None else (vres.system, vres)
 
 
@@ -206,6 +218,7 @@ def cmd_offline(a: argparse.Namespace) -> int:
         "command": " ".join(["tutorserve", *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": _machine(),
+        "dtype": host_dtype(a.dtype),
         "workload": shape
         | {
             "requests": len(runs[0]),
@@ -221,7 +234,7 @@ def cmd_offline(a: argparse.Namespace) -> int:
     report.plot(
         results,
         out / "offline.png",
-        f"offline edu-shared-prefix, {a.model}, {a.dtype}, {len(runs[0])} requests",
+        f"offline edu-shared-prefix, {a.model}, {host_dtype(a.dtype)}, {len(runs[0])} requests",
     )
     print(report.markdown_table(results))
     print()
@@ -325,7 +338,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = run_compare(
         systems, files, load_tokenizer(a.tokenizer), rates, out, port=a.port,
-        max_num_seqs=a.max_num_seqs, kv_cache_gb=a.kv_cache_gb,
+        max_num_seqs=a.max_num_seqs, kv_cache_gb=a.kv_cache_gb, dtype=a.dtype,
         max_concurrency=a.max_concurrency, **kwargs,
     )  # fmt: skip
     if not results:
@@ -370,7 +383,7 @@ def _write_report(results: list[dict], png: Path, title: str, command: str | Non
     serving_plots(results, png, title)
     c = results[0]["config"]
     lines = [
-        f"date: {c['date']}; machine: {_machine()}",
+        f"date: {c['date']}; machine: {_machine()}; dtype: {c.get('dtype', 'bfloat16')}",
         *([f"command: `{command}`"] if command else []),
         f"SLOs: TTFT ≤ {c['slo_ttft_ms']} ms, TPOT ≤ {c['slo_tpot_ms']} ms",
         "",
@@ -384,7 +397,25 @@ def _write_report(results: list[dict], png: Path, title: str, command: str | Non
 
 
 def _machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    """The CPU, its cores and its ISA: the best kernel level it runs, and the level running."""
+    from tutorserve.kernels import isa
+
+    kernels = isa.active()
+    levels = isa.cpu_levels()
+    return (
+        f"{_cpu_model()}, {os.cpu_count()} cores, ISA {levels[-1] if levels else 'unknown'} "
+        f"(kernels: {kernels.level if kernels else 'none, plain PyTorch'})"
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cmd_kv_restore(a: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 from tutorserve.bench.client import ClientConfig
 from tutorserve.bench.serving import run_benchmark
-from tutorserve.bench.systems import ModelFiles, RunningServer, make_system
+from tutorserve.bench.systems import ModelFiles, RunningServer, host_dtype, make_system
 from tutorserve.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -34,12 +34,13 @@ def run_compare(
     port: int = 8500,
     max_num_seqs: int = 32,
     kv_cache_gb: float = 1.0,
+    dtype: str = "auto",
     max_concurrency: int | None = None,
     **workload: Any,
 ) -> list[dict]:
     results = []
     for name in systems:
-        system = make_system(name, files, port, max_num_seqs, kv_cache_gb)
+        system = make_system(name, files, port, max_num_seqs, kv_cache_gb, dtype)
         if system.missing:
             log.warning("skipping %s: not installed (%s)", name, system.missing)
             continue
@@ -53,7 +54,10 @@ def run_compare(
                     # A fresh cohort per rate, or later rates would hit earlier rates' prompts.
                     cohort = workload | {"seed": workload["seed"] + k}
                     result = run_benchmark(cfg, tok, request_rate=rate, **cohort)
-                    result["config"] |= {"system": name, "argv": system.argv, "env": system.env}
+                    result["config"] |= {
+                        "system": name, "argv": system.argv, "env": system.env,
+                        "dtype": host_dtype(dtype),
+                    }  # fmt: skip
                     path = out / f"{workload['workload']}-{name}-rate{rate:g}.json"
                     path.write_text(json.dumps(result, indent=1))
                     results.append(result)

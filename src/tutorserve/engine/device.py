@@ -1,4 +1,11 @@
-"""Pick the device and dtype: bf16 where the hardware runs it natively, else float32."""
+"""Pick the device, the dtype the model computes in, and the dtype its KV cache is stored in.
+
+On CPUs, `auto` follows what we measured (README, *CPU kernels and dtypes*): where the CPU has
+native bf16 (AVX512-BF16 or AMX), bf16 matmuls beat float32 ones, so the model computes and
+stores KV in bf16. Elsewhere bf16 matmuls are emulated and slower than float32, so the model
+computes in float32 but still stores its KV cache in bf16: the CPU kernels widen K/V as they
+read them, so a decode step reads half the bytes and the same memory holds twice the tokens.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +30,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def resolve_kv_dtype(
+    name: str, dtype_name: str, dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """The KV cache's dtype: `name`, or for auto the model's `dtype`, except where both were
+    left to auto and a CPU computes in float32 (no native bf16): then bf16 storage."""
+    if name != "auto":
+        return _DTYPES[name]
+    if dtype_name == "auto" and device.type == "cpu" and dtype == torch.float32:
+        return torch.bfloat16
+    return dtype
 
 
 def cpu_has_native_bf16() -> bool:

@@ -10,7 +10,7 @@ import torch
 
 from tutorserve.config import EngineConfig
 from tutorserve.engine.detokenizer import IncrementalDetokenizer, find_stop
-from tutorserve.engine.device import resolve_device, resolve_dtype
+from tutorserve.engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
 from tutorserve.engine.kv_cache_manager import KVCacheManager
 from tutorserve.engine.kv_tiers import TieredKVStore, model_fingerprint
 from tutorserve.engine.model_runner import ModelRunner
@@ -51,17 +51,22 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(
+            config.kv_cache_dtype, config.dtype, self.dtype, self.device
+        )
         self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
         mcfg = self.model.config
         bs = config.block_size
-        per_block = mcfg.kv_bytes_per_token(torch.finfo(self.dtype).bits // 8) * bs
+        per_block = mcfg.kv_bytes_per_token(torch.finfo(self.kv_dtype).bits // 8) * bs
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ValueError(
                 f"KV budget {config.kv_cache_bytes} B is below one block ({per_block} B)"
             )
         self.max_model_len = self._max_model_len(num_blocks * bs)
-        self.runner = ModelRunner(config, self.model, num_blocks, self.device, self.dtype)
+        self.runner = ModelRunner(
+            config, self.model, num_blocks, self.device, self.dtype, self.kv_dtype
+        )
         self.store = self._kv_store()
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, self.store)
         self.lora = self._lora_manager()
@@ -111,7 +116,7 @@ class LLMEngine:
             ram_bytes=cfg.kv_ram_bytes,
             disk_bytes=cfg.kv_disk_bytes,
             disk_dir=cfg.kv_disk_dir,
-            fingerprint=model_fingerprint(self.model, self.dtype, cfg.block_size),
+            fingerprint=model_fingerprint(self.model, self.kv_dtype, cfg.block_size),
             session_ttl=cfg.session_ttl,
         )
 

@@ -20,6 +20,7 @@ from tutorserve.engine.context import (
 from tutorserve.engine.sampler import sample
 from tutorserve.engine.scheduler import SchedulerOutput
 from tutorserve.engine.sequence import Sequence
+from tutorserve.kernels import isa
 from tutorserve.kernels import paged_attention as attention_kernel
 from tutorserve.models.llama import LlamaForCausalLM
 
@@ -34,28 +35,35 @@ class ModelRunner:
         num_blocks: int,
         device: torch.device,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype,
     ) -> None:
         self.model = model
         self.block_size = config.block_size
         self.device = device
         cfg = model.config
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, config.block_size, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.share_prefixes = config.enable_prefix_caching
-        self.in_place = attention_kernel.supports(device, dtype, cfg.head_dim)
+        self.in_place = all(
+            attention_kernel.supports(device, dt, cfg.head_dim) for dt in (dtype, kv_dtype)
+        )
         self.workspace: dict[str, torch.Tensor] = {}
         self.last_forward_s = 0.0
         self.num_lora_slots = 0  # set when LoRA is enabled
+        kernels = isa.active() if self.in_place else None
         log.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB); attention %s",
+            "KV cache: %d blocks of %d tokens, %s (%.1f MiB); model in %s; attention %s",
             num_blocks,
             config.block_size,
+            str(kv_dtype).removeprefix("torch."),
             2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
-            "reads blocks in place" if self.in_place else "gathers blocks",
+            str(dtype).removeprefix("torch."),
+            f"reads blocks in place ({kernels.level} kernels)" if kernels else "gathers blocks",
         )
 
     @torch.inference_mode()
@@ -128,7 +136,7 @@ class ModelRunner:
                 dec_lens,
                 bs,
                 dev,
-                self.k_cache.dtype,
+                self.dtype,
                 self.share_prefixes,
                 dec_hashes,
                 self.in_place,

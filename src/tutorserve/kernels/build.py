@@ -1,11 +1,15 @@
-"""Builds our C kernels (`*.c` and `*.h` in this package) into one library at first use, loads it.
+"""Builds our C kernels (`*.c` and `*.h` in this package) into one library per ISA level, at
+first use, and loads it.
 
-They are plain C with no PyTorch headers, so the system compiler builds them in about a second;
-the library is cached by sources, flags and CPU under ~/.cache/tutorserve/kernels. It links
-`libgomp.so.1`, which resolves to the OpenMP runtime PyTorch has already loaded: the kernels'
-threads are PyTorch's own, not a second pool competing for the same cores. A missing or failing
-compiler, or a cache directory that cannot be written, is a warning: callers then use their
-plain PyTorch paths.
+Each level (`isa.LEVELS`) is the same sources compiled with that level's flags: `simd.h` maps
+the kernels' vector type onto its instructions. Flags name the level's instructions rather than
+`-march=native`, so a library fits every CPU that has them, and one built by an old compiler
+that lacks a level's intrinsics only costs that level. They are plain C with no PyTorch headers,
+so the system compiler builds a level in about a second; libraries are cached by sources, flags
+and compiler under ~/.cache/tutorserve/kernels. They link `libgomp.so.1`, which resolves to the
+OpenMP runtime PyTorch has already loaded: the kernels' threads are PyTorch's own, not a second
+pool competing for the same cores. A missing or failing compiler, or a cache directory that
+cannot be written, is a warning (callers then take the next level down, or plain PyTorch).
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,43 +34,72 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing",
-         "-shared", "-fPIC"]  # fmt: skip
+COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing", "-shared", "-fPIC"]
+_AVX512 = ["-DTS_AVX512", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+LEVEL_FLAGS = {
+    "scalar": ["-DTS_SCALAR"],
+    "neon": ["-DTS_NEON"],  # an AArch64 compiler targets NEON by default
+    "avx2": ["-DTS_AVX2", "-mavx2", "-mfma"],
+    "avx512": _AVX512,
+    "avx512bf16": [*_AVX512, "-mavx512bf16", "-DTS_BF16DOT"],
+}
+
+_ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "tutorserve_cpu_levels": [],
+    "tutorserve_level": [],
+    "paged_attention": [_ptr] * 6 + [_i64] * 8 + [ctypes.c_float, _i32, _i32, _ptr, _ptr, _i32],
+    "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, _i32, _i32],
+    "silu_mul": [_ptr, _ptr, _i64, _i64, _i32, _i32],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """One ISA level's library, its functions declared (each returns 0, or -1 for a shape the
+    level cannot take)."""
+
+    level: str
+    lib: ctypes.CDLL
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The kernels' library, or None when it cannot be built or loaded, or this CPU lacks
-    AVX-512 (which every kernel needs)."""
-    path = _build()
+def load(level: str) -> Kernels | None:
+    """The kernels built for `level`, or None when they cannot be built or loaded. Says nothing
+    of whether this CPU can run them: `isa` decides that before calling anything but the
+    scalar level's probe."""
+    path = _build(level)
     if path is None:
         return None
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        log.warning("cannot load the CPU kernels (%s); using plain PyTorch instead", e)
+        log.warning("cannot load the %s CPU kernels (%s)", level, e)
         return None
-    lib.tutorserve_isa.argtypes, lib.tutorserve_isa.restype = [], ctypes.c_int
-    return lib if lib.tutorserve_isa() > 0 else None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, _i32
+    return Kernels(level, lib)
 
 
-def _build() -> Path | None:
+def _build(level: str) -> Path | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler: the CPU kernels are off, plain PyTorch runs instead "
                     "(attention gathers paged blocks; slower on CPUs)")  # fmt: skip
         return None
-    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [" ".join(FLAGS).encode(), _cpu_id()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()
+    flags = [*COMMON_FLAGS, *LEVEL_FLAGS[level]]
+    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [" ".join(flags).encode()]
+    key = hashlib.sha256(b"\0".join([*parts, _compiler_id(cc)])).hexdigest()
     cache = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "tutorserve"
-    out = cache / "kernels" / f"tutorserve-kernels-{key[:16]}.so"
+    out = cache / "kernels" / f"tutorserve-kernels-{level}-{key[:16]}.so"
     if out.exists():
         return out
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(
-            [cc, *FLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"], capture_output=True, text=True
+            [cc, *flags, "-o", str(tmp), *map(str, SOURCES), "-lm"], capture_output=True, text=True
         )
         if done.returncode == 0:
             os.replace(tmp, out)  # atomic: concurrent first uses each build, one file wins
@@ -74,21 +107,17 @@ def _build() -> Path | None:
     except OSError as e:  # no compiler after all, or the cache directory is not writable
         done, error = None, str(e)
     if done is None or done.returncode != 0:
-        log.warning("building the CPU kernels failed; using plain PyTorch instead:\n%s",
-                    error)  # fmt: skip
+        log.warning("building the %s CPU kernels failed:\n%s", level, error)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         return None
-    log.info("built the CPU kernels: %s", out)
+    log.info("built the %s CPU kernels: %s", level, out)
     return out
 
 
-def _cpu_id() -> bytes:
-    """What -march=native compiles for: a library built on one CPU must not load on another
-    that shares this cache directory."""
+def _compiler_id(cc: str) -> bytes:
+    """Which compiler builds the library (another version may build it differently)."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor().encode()
-    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(lines))).encode()
+        return subprocess.run([cc, "--version"], capture_output=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cc.encode()

@@ -7,23 +7,19 @@
  * nothing is gathered and each K/V byte is read once per set. Outputs are float32 together with
  * the log-sum-exp of the scores, so that a caller can merge partial results (cascade attention).
  *
- * Layouts (all contiguous; q has the caches' dtype):
- *   q       [sets, kv_heads, nq, dim] float32 or bfloat16
- *   k, v    [kv_heads, num_blocks, block_size, dim] float32 or bfloat16
+ * Layouts (all contiguous):
+ *   q       [sets, kv_heads, nq, dim] float32 or bfloat16 (`q_bf16`)
+ *   k, v    [kv_heads, num_blocks, block_size, dim] float32 or bfloat16 (`kv_bf16`): the cache
+ *           may be stored in bf16 while the model computes in float32 (half the bytes read)
  *   tables  [sets, width] int64: the blocks of each set, in order
  *   lens    [sets] int64: keys of each set (its blocks hold them from the first slot on)
  *   causal  [sets] int64 or NULL: for a prefill chunk, the position of its first token; query
  *           i then sees keys up to position causal + i / group (NULL: every query sees all)
  *   out     [sets, kv_heads, nq, dim] float32
  *   lse     [sets, kv_heads, nq] float32 (-inf for a set with no keys)
- * Needs AVX-512 (`tutorserve_isa` says 0 without it; callers then gather blocks). With
- * AVX512-BF16, bfloat16 at head sizes 64 and 128 takes the bf16 dot-product path; every other
- * case widens to float32 and uses FMAs.
+ * Every level (simd.h) runs the float32 path, which widens K/V on load. The AVX512-BF16 build
+ * takes q and K/V both in bf16 at head sizes 64 and 128 through the bf16 dot-product path.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
 #include "simd.h"
 
 enum { TILE = 16, QCHUNK = 32, MAX_DIM = 256 };
@@ -33,21 +29,9 @@ typedef struct {
     const int64_t *tables, *lens, *causal;
     int64_t kv_heads, nq, group, dim, num_blocks, block_size, width;
     float scale;
-    int is_bf16;
+    int q_bf16, kv_bf16;
     float *out, *lse;
 } Args;
-
-#if defined(__AVX512F__)
-/* n vectors of `dim` elements as float32: bfloat16 is the upper half of a float32, so
- * widening is a shift. */
-static void widen(const void *src, int is_bf16, int64_t n, float *dst) {
-    if (!is_bf16) {
-        memcpy(dst, src, n * sizeof(float));
-        return;
-    }
-    uint32_t *bits = (uint32_t *)dst; /* built with -fno-strict-aliasing */
-    for (int64_t i = 0; i < n; i++) bits[i] = (uint32_t)((const uint16_t *)src)[i] << 16;
-}
 
 /* Keys query i of a set may see: all of them, or with `causal`, those up to its own position
  * (queries are tokens times the `group` query heads of a KV head, tokens from causal[set]). */
@@ -64,90 +48,69 @@ static inline int64_t key_offset(const Args *a, int64_t set, int64_t head, int64
     return ((head * a->num_blocks + a->tables[set * a->width + t / BS]) * BS + t % BS) * a->dim;
 }
 
-/* Keys t0 .. t0+n-1 of a set as float32 rows [n][dim]. */
-static void load_tile(const Args *a, const void *cache, int64_t set, int64_t head, int64_t t0,
-                      int64_t n, float *dst) {
-    const int64_t D = a->dim, size = a->is_bf16 ? 2 : 4;
-    for (int64_t j = 0; j < n; j++)
-        widen((const char *)cache + key_offset(a, set, head, t0 + j) * size, a->is_bf16, D,
-              dst + j * D);
-}
-
-/* Lanes of a tile starting at key t0 that a query seeing `vis` keys may use. */
-static inline __mmask16 lanes(int64_t vis, int64_t t0) {
-    const int64_t n = vis - t0;
-    return n <= 0 ? 0 : n >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
-}
-
-/* Sixteen vectors → one vector of their sixteen horizontal sums, in order. */
-static inline __m512 sum16(const __m512 *v) {
-    __m512 w[8], x[4], y[2];
-    for (int i = 0; i < 8; i++)
-        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    for (int i = 0; i < 2; i++)
-        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* The float32 path (any dim that is a multiple of 16; bfloat16 inputs are widened). */
-static void attend_f32(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {
-    const int64_t D = a->dim, C = D / 16, len = visible(a, set, q0 + nq - 1);
-    float q[QCHUNK * MAX_DIM];
-    widen((const char *)a->q + ((set * a->kv_heads + head) * a->nq + q0) * D * (a->is_bf16 ? 2 : 4),
-          a->is_bf16, nq * D, q);
-    float kt[TILE * MAX_DIM] __attribute__((aligned(64)));
-    float vt[TILE * MAX_DIM] __attribute__((aligned(64)));
-    float acc[QCHUNK * MAX_DIM] __attribute__((aligned(64)));
-    float peak[QCHUNK], total[QCHUNK], p[TILE] __attribute__((aligned(64)));
+/* The float32 path, written over the level's vectors. Inlined into one copy per common head
+ * size, so that the dim loops unroll and a query's accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_f32_dim(
+    const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq, const int64_t D) {
+    const int64_t len = visible(a, set, q0 + nq - 1);
+    float q[QCHUNK * MAX_DIM], acc[QCHUNK * MAX_DIM];
+    float kt[TILE * MAX_DIM], vt[TILE * MAX_DIM];
+    float peak[QCHUNK], total[QCHUNK], p[TILE];
+    const int64_t qbase = ((set * a->kv_heads + head) * a->nq + q0) * D;
+    for (int64_t i = 0; i < nq * D; i += VL) vstore(q + i, vload_as(a->q, qbase + i, a->q_bf16));
     for (int64_t i = 0; i < nq; i++) {
         peak[i] = -INFINITY;
         total[i] = 0.f;
     }
     memset(acc, 0, sizeof(float) * nq * D);
-    const __m512 scale = _mm512_set1_ps(a->scale), minus_inf = _mm512_set1_ps(-INFINITY);
+    const vf scale = vset1(a->scale);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
-        load_tile(a, a->k, set, head, t0, n, kt);
-        load_tile(a, a->v, set, head, t0, n, vt);
-        for (int64_t i = 0; i < nq; i++) {
-            const __mmask16 valid = lanes(visible(a, set, q0 + i), t0);
-            if (!valid) continue;
-            __m512 dots[TILE];
-            for (int64_t j = 0; j < TILE; j++) {
-                __m512 s = _mm512_setzero_ps();
-                if (j < n)
-                    for (int64_t c = 0; c < C; c++)
-                        s = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * D + 16 * c),
-                                            _mm512_load_ps(kt + j * D + 16 * c), s);
-                dots[j] = s;
-            }
-            const __m512 s = _mm512_mask_blend_ps(valid, minus_inf,
-                                                  _mm512_mul_ps(sum16(dots), scale));
-            const float m = fmaxf(peak[i], _mm512_reduce_max_ps(s));
-            const float rescale = peak[i] == -INFINITY ? 0.f : expf(peak[i] - m);
-            const __m512 e =
-                _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m))));
-            _mm512_store_ps(p, e);
-            total[i] = total[i] * rescale + _mm512_reduce_add_ps(e);
-            peak[i] = m;
-            float *o = acc + i * D;
-            for (int64_t c = 0; c < C; c++) {
-                __m512 r = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * c), _mm512_set1_ps(rescale));
-                for (int64_t j = 0; j < n; j++)
-                    r = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_load_ps(vt + j * D + 16 * c), r);
-                _mm512_storeu_ps(o + 16 * c, r);
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t at = key_offset(a, set, head, t0 + j);
+            for (int64_t c = 0; c < D; c += VL) {
+                vstore(kt + j * D + c, vload_as(a->k, at + c, a->kv_bf16));
+                vstore(vt + j * D + c, vload_as(a->v, at + c, a->kv_bf16));
             }
         }
+        for (int64_t i = 0; i < nq; i++) {
+            const int64_t nv = visible(a, set, q0 + i) - t0; /* keys of this tile it sees */
+            if (nv <= 0) continue;
+            vf sc[TILE / VL];
+            float m = peak[i];
+            for (int64_t b = 0; b < TILE / VL; b++) {
+                vf dots[VL];
+                for (int64_t j = 0; j < VL; j++) {
+                    vf s = vzero();
+                    if (b * VL + j < n)
+                        for (int64_t c = 0; c < D; c += VL)
+                            s = vfma(vload(q + i * D + c), vload(kt + (b * VL + j) * D + c), s);
+                    dots[j] = s;
+                }
+                sc[b] = vfirst(vmul(vsums(dots), scale), nv - b * VL, -INFINITY);
+                m = fmaxf(m, vhmax(sc[b]));
+            }
+            const float rescale = peak[i] == -INFINITY ? 0.f : expf(peak[i] - m);
+            float sum = 0.f;
+            for (int64_t b = 0; b < TILE / VL; b++) {
+                const vf e = vfirst(vexp(vsub(sc[b], vset1(m))), nv - b * VL, 0.f);
+                vstore(p + b * VL, e);
+                sum += vhsum(e);
+            }
+            total[i] = total[i] * rescale + sum;
+            peak[i] = m;
+            const int64_t keys = nv < n ? nv : n;
+            float *o = acc + i * D;
+            vf r[MAX_DIM / VL];
+            for (int64_t c = 0; c < D / VL; c++) r[c] = vmul(vload(o + c * VL), vset1(rescale));
+            for (int64_t j = 0; j < keys; j++) {
+                const vf pj = vset1(p[j]);
+                for (int64_t c = 0; c < D / VL; c++) r[c] = vfma(pj, vload(vt + j * D + c * VL), r[c]);
+            }
+            for (int64_t c = 0; c < D / VL; c++) vstore(o + c * VL, r[c]);
+        }
     }
-    float *out = a->out + ((set * a->kv_heads + head) * a->nq + q0) * D;
+    float *out = a->out + qbase;
     float *lse = a->lse + (set * a->kv_heads + head) * a->nq + q0;
     for (int64_t i = 0; i < nq; i++) {
         const float inv = total[i] > 0.f ? 1.f / total[i] : 0.f;
@@ -155,9 +118,18 @@ static void attend_f32(const Args *a, int64_t set, int64_t head, int64_t q0, int
         lse[i] = peak[i] + logf(total[i]);
     }
 }
-#endif
 
-#if defined(__AVX512BF16__)
+static void attend_f32_64(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {
+    attend_f32_dim(a, set, head, q0, nq, 64);
+}
+static void attend_f32_128(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {
+    attend_f32_dim(a, set, head, q0, nq, 128);
+}
+static void attend_f32_any(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {
+    attend_f32_dim(a, set, head, q0, nq, a->dim);
+}
+
+#if defined(TS_BF16DOT)
 /* The bfloat16 path: both products on the CPU's bf16 dot-product unit (two bf16 products
  * summed into each float32 lane per instruction). Scores: each lane is one key, so K is laid
  * out as [dim pair][key] and the query's dim pairs are broadcast. Values: each lane is one
@@ -165,6 +137,12 @@ static void attend_f32(const Args *a, int64_t set, int64_t head, int64_t q0, int
  * (probabilities are rounded to bf16 for this product, as PyTorch's flash attention does).
  * Queries go four at a time, so that their chains of dependent products overlap. */
 enum { QB = 4 };
+
+/* Lanes of a tile starting at key t0 that a query seeing `vis` keys may use. */
+static inline __mmask16 lanes(int64_t vis, int64_t t0) {
+    const int64_t n = vis - t0;
+    return n <= 0 ? 0 : n >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
 
 static inline __m512bh bcast(uint32_t w) { return (__m512bh)_mm512_set1_epi32((int)w); }
 
@@ -225,8 +203,8 @@ static void attend_bf16_##D(const Args *a, int64_t set, int64_t head, int64_t q0
                 const float m = fmaxf(peak[i], _mm512_reduce_max_ps(sc));                      \
                 /* masked: a query that sees no key of this tile (and maybe none yet) adds 0 */\
                 const __m512 e = _mm512_maskz_mov_ps(                                          \
-                    valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));             \
-                rescale[u] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(peak[i] - m)));   \
+                    valid, vexp(_mm512_sub_ps(sc, _mm512_set1_ps(m))));             \
+                rescale[u] = _mm512_cvtss_f32(vexp(_mm512_set1_ps(peak[i] - m)));   \
                 _mm256_store_si256((__m256i *)pw[u], (__m256i)_mm512_cvtneps_pbh(e));          \
                 if (i0 + u < nq) {                                                             \
                     total[i] = total[i] * rescale[u] + _mm512_reduce_add_ps(e);                \
@@ -266,32 +244,24 @@ ATTEND_BF16(128)
 
 int paged_attention(const void *q, const void *k, const void *v, const int64_t *tables,
                     const int64_t *lens, const int64_t *causal, int64_t sets, int64_t kv_heads,
-                    int64_t nq, int64_t group, int64_t dim,
-                    int64_t num_blocks, int64_t block_size, int64_t width, float scale,
-                    int is_bf16, float *out, float *lse, int num_threads) {
-#if defined(__AVX512F__)
+                    int64_t nq, int64_t group, int64_t dim, int64_t num_blocks,
+                    int64_t block_size, int64_t width, float scale, int q_bf16, int kv_bf16,
+                    float *out, float *lse, int num_threads) {
     if (dim % 16 || dim > MAX_DIM) return -1;
-    const Args a = {q, k, v, tables, lens, causal, kv_heads, nq, group, dim, num_blocks, block_size, width,
-                    scale, is_bf16, out, lse};
+    const Args a = {q,     k,         v,        tables, lens,   causal,  kv_heads,
+                    nq,    group,     dim,      num_blocks, block_size, width, scale,
+                    q_bf16, kv_bf16,  out,      lse};
+    void (*attend)(const Args *, int64_t, int64_t, int64_t, int64_t) =
+        dim == 64 ? attend_f32_64 : dim == 128 ? attend_f32_128 : attend_f32_any;
+#if defined(TS_BF16DOT)
+    if (q_bf16 && kv_bf16 && dim == 64) attend = attend_bf16_64;
+    if (q_bf16 && kv_bf16 && dim == 128) attend = attend_bf16_128;
+#endif
     const int64_t chunks = (nq + QCHUNK - 1) / QCHUNK, items = sets * kv_heads * chunks;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t i = 0; i < items; i++) {
         const int64_t sh = i / chunks, q0 = (i % chunks) * QCHUNK;
-        const int64_t n = nq - q0 < QCHUNK ? nq - q0 : QCHUNK;
-#if defined(__AVX512BF16__)
-        if (is_bf16 && dim == 64) {
-            attend_bf16_64(&a, sh / kv_heads, sh % kv_heads, q0, n);
-            continue;
-        }
-        if (is_bf16 && dim == 128) {
-            attend_bf16_128(&a, sh / kv_heads, sh % kv_heads, q0, n);
-            continue;
-        }
-#endif
-        attend_f32(&a, sh / kv_heads, sh % kv_heads, q0, n);
+        attend(&a, sh / kv_heads, sh % kv_heads, q0, nq - q0 < QCHUNK ? nq - q0 : QCHUNK);
     }
     return 0;
-#else
-    return -1;
-#endif
 }

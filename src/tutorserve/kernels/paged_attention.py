@@ -2,19 +2,18 @@
 
 PyTorch has no CPU op that attends over blocks scattered through a paged cache, so the plain
 torch path copies each decode row's blocks into a contiguous tensor first: their K/V bytes are
-read, written and read again. The kernel reads them once, in place, with the CPU's bfloat16
-dot-product instructions where it has them. Without a compiler or AVX-512, `supports()` is
-False and attention gathers blocks instead (as it always does on GPUs).
+read, written and read again. The kernel reads them once, in place, at the ISA level `isa`
+chose (with the CPU's bfloat16 dot-product instructions where it has them). The cache may be
+stored in bfloat16 while queries are float32: the kernel widens K/V as it reads them. Without a
+compiler, `supports()` is False and attention gathers blocks instead (as it always does on GPUs).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
-from tutorserve.kernels.build import DTYPES, library
+from tutorserve.kernels import isa
+from tutorserve.kernels.build import DTYPES
 
 MAX_HEAD_DIM = 256
 
@@ -26,7 +25,7 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         and dtype in DTYPES
         and head_dim % 16 == 0
         and head_dim <= MAX_HEAD_DIM
-        and _library() is not None
+        and isa.active() is not None
     )
 
 
@@ -40,19 +39,19 @@ def paged_attention(
     causal: torch.Tensor | None = None,
     group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [sets, kv_heads, nq, dim] in the caches' dtype; caches: [kv_heads, blocks,
-    block_size, dim]; tables: [sets, width] int64 (each set's blocks, padded); lens: [sets]
-    int64 keys per set → float32 outputs [sets, kv_heads, nq, dim] and log-sum-exp
-    [sets, kv_heads, nq]. Every query sees all its set's keys, or with `causal` ([sets] int64,
-    the position of the set's first query token) those up to its own position, the nq queries
-    being tokens × `group` query heads."""
-    lib = _library()
-    if lib is None:
+    """q: [sets, kv_heads, nq, dim], float32 or bfloat16; caches: [kv_heads, blocks,
+    block_size, dim], float32 or bfloat16; tables: [sets, width] int64 (each set's blocks,
+    padded); lens: [sets] int64 keys per set → float32 outputs [sets, kv_heads, nq, dim] and
+    log-sum-exp [sets, kv_heads, nq]. Every query sees all its set's keys, or with `causal`
+    ([sets] int64, the position of the set's first query token) those up to its own position,
+    the nq queries being tokens × `group` query heads."""
+    kernels = isa.active()
+    if kernels is None:
         raise RuntimeError("the CPU attention kernel is not available")
     sets, kvh, nq, dim = q.shape
     _, num_blocks, block_size, _ = k_cache.shape
-    if k_cache.dtype not in DTYPES or not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError("paged_attention needs q, k and v of one dtype, float32 or bfloat16")
+    if q.dtype not in DTYPES or k_cache.dtype not in DTYPES or k_cache.dtype != v_cache.dtype:
+        raise ValueError("paged_attention needs float32 or bfloat16 q, and k and v of one dtype")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and tables.is_contiguous()):
         raise ValueError("paged_attention needs contiguous caches and tables")
     if any(t.dtype != torch.int64 for t in (tables, lens, *([] if causal is None else [causal]))):
@@ -62,24 +61,12 @@ def paged_attention(
     out = torch.empty(sets, kvh, nq, dim, dtype=torch.float32)
     lse = torch.empty(sets, kvh, nq, dtype=torch.float32)
     with torch.profiler.record_function("tutorserve::paged_attention"):  # named in profiles
-        status = lib.paged_attention(
+        status = kernels.lib.paged_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), None if causal is None else causal.data_ptr(), sets, kvh, nq,
-            group, dim, num_blocks, block_size, tables.shape[1], scale,
+            group, dim, num_blocks, block_size, tables.shape[1], scale, DTYPES[q.dtype],
             DTYPES[k_cache.dtype], out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
     if status != 0:
-        raise ValueError(f"paged_attention cannot run head size {dim} on this CPU")
+        raise ValueError(f"paged_attention cannot run head size {dim}")
     return out, lse
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = library()
-    if lib is None:
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_attention.argtypes = [ptr] * 6 + [i64] * 8 + [ctypes.c_float, ctypes.c_int]
-    lib.paged_attention.argtypes += [ptr, ptr, ctypes.c_int]
-    lib.paged_attention.restype = ctypes.c_int
-    return lib

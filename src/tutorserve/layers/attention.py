@@ -54,8 +54,10 @@ class PagedAttention(nn.Module):
         ctx = get_context()
         n_tok = q.shape[0]
         kvh, dim = self.num_kv_heads, self.head_dim
-        self.k_cache.view(kvh, -1, dim).index_copy_(1, ctx.slot_mapping, k.transpose(0, 1))
-        self.v_cache.view(kvh, -1, dim).index_copy_(1, ctx.slot_mapping, v.transpose(0, 1))
+        # The cache may store a narrower dtype than the model computes in (bf16 under float32).
+        slots, kv_dtype = ctx.slot_mapping, self.k_cache.dtype
+        self.k_cache.view(kvh, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(kv_dtype))
+        self.v_cache.view(kvh, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(kv_dtype))
 
         nd = ctx.num_decode
         if nd == n_tok and ctx.decode is not None:
@@ -76,8 +78,8 @@ class PagedAttention(nn.Module):
                 )
             else:
                 table = p.block_table.unsqueeze(0)
-                ks = self._gather(ctx, "k", self.k_cache, table)[:, :, : p.context_len]
-                vs = self._gather(ctx, "v", self.v_cache, table)[:, :, : p.context_len]
+                ks = self._gather(ctx, "k", self.k_cache, table, q.dtype)[:, :, : p.context_len]
+                vs = self._gather(ctx, "v", self.v_cache, table, q.dtype)[:, :, : p.context_len]
                 ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [1, kv_heads, ctx, dim]
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, attn_mask=p.mask, scale=self.scale, enable_gqa=True
@@ -96,11 +98,17 @@ class PagedAttention(nn.Module):
         return o.view(kvh, n, g, dim).transpose(0, 1).reshape(n, self.num_heads, dim).to(q.dtype)
 
     def _gather(
-        self, ctx: StepContext, name: str | None, cache: torch.Tensor, tables: torch.Tensor
+        self,
+        ctx: StepContext,
+        name: str | None,
+        cache: torch.Tensor,
+        tables: torch.Tensor,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        """Blocks of `tables` [rows, blocks] as a contiguous [kv_heads, rows, keys, dim], whose
-        two leading dims fold into one batch dim for the attention matmuls without a copy.
-        Into the step's workspace buffer `name`, or, for None, a tensor of its own."""
+        """Blocks of `tables` [rows, blocks] as a contiguous [kv_heads, rows, keys, dim] in
+        `dtype` (the queries'), whose two leading dims fold into one batch dim for the attention
+        matmuls without a copy. Into the step's workspace buffer `name`, or, for None, a tensor
+        of its own."""
         rows, nb = tables.shape
         kvh, _, bs, dim = cache.shape
         numel = kvh * rows * nb * bs * dim
@@ -111,7 +119,7 @@ class PagedAttention(nn.Module):
                 ctx.workspace[name] = buf
         out = buf[:numel].view(kvh, rows * nb, bs, dim)
         torch.index_select(cache, 1, tables.reshape(-1), out=out)
-        return out.view(kvh, rows, nb * bs, dim)
+        return out.view(kvh, rows, nb * bs, dim).to(dtype)
 
     def _affordable(self, tables: torch.Tensor) -> bool:
         """Whether copies of these prefix blocks' K and V stay within a quarter of the layer's
@@ -131,8 +139,8 @@ class PagedAttention(nn.Module):
                 qd, self.k_cache, self.v_cache, bucket.tables, bucket.lens, self.scale
             )
             return o.view(rows, self.num_heads, dim), lse.view(rows, self.num_heads, 1)
-        k = self._gather(ctx, "k", self.k_cache, bucket.tables)
-        v = self._gather(ctx, "v", self.v_cache, bucket.tables)
+        k = self._gather(ctx, "k", self.k_cache, bucket.tables, q.dtype)
+        v = self._gather(ctx, "v", self.v_cache, bucket.tables, q.dtype)
         qd = q.view(rows, kvh, self.group, dim).transpose(0, 1)  # [kv_heads, rows, group, dim]
         o, lse = _attend(qd, k, v, bucket.bias, self.scale)
         o = o.transpose(0, 1).reshape(rows, self.num_heads, dim)
@@ -150,8 +158,8 @@ class PagedAttention(nn.Module):
         else:
             self._shared = None  # let the old copies go before making new ones
             kept = bool(sp.key) and self._affordable(sp.tables)
-            kp = self._gather(ctx, None if kept else "kp", self.k_cache, sp.tables)
-            vp = self._gather(ctx, None if kept else "vp", self.v_cache, sp.tables)
+            kp = self._gather(ctx, None if kept else "kp", self.k_cache, sp.tables, qp.dtype)
+            vp = self._gather(ctx, None if kept else "vp", self.v_cache, sp.tables, qp.dtype)
             if kept:
                 self._shared = (sp.key, kp, vp)
         op, lsep = _attend_many(qp, kp, vp, sp.bias, self.scale)
