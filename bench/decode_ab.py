@@ -88,9 +88,6 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     a = p.parse_args()
     llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype)
-    kernels, levels = isa.active(), ", ".join(isa.cpu_levels())
-    print(f"model {llm.engine.dtype}, KV cache {llm.engine.kv_dtype}, kernels "
-          f"{kernels.level if kernels else 'none'} (CPU runs {levels})")  # fmt: skip
     engines = {True: llm.engine, False: llm.engine}
     if a.change == "kv-bf16":  # a storage dtype is fixed per engine: a second one, float32 KV
         with_it, without, switch = "KV stored in bf16", "KV stored in float32", lambda on: None
@@ -98,6 +95,10 @@ def main() -> None:
         engines[False] = LLM(a.model, dtype=a.dtype, kv_cache_dtype="float32").engine
     else:
         with_it, without, switch = _toggles(llm)[a.change]
+    kernels, levels = isa.active(), ", ".join(isa.cpu_levels())
+    kv = " vs ".join(dict.fromkeys(str(e.kv_dtype) for e in engines.values()))
+    print(f"model {llm.engine.dtype}, KV cache {kv}, kernels "
+          f"{kernels.level if kernels else 'none'} (CPU runs {levels})")  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=64 + 10 * a.pairs, ignore_eos=True)
     for engine in set(engines.values()):
         for i, r in enumerate(edu_shared_prefix(llm.tokenizer, seed=1)[: a.batch]):

@@ -234,7 +234,8 @@ def cmd_offline(a: argparse.Namespace) -> int:
     report.plot(
         results,
         out / "offline.png",
-        f"offline edu-shared-prefix, {a.model}, {host_dtype(a.dtype)}, {len(runs[0])} requests",
+        f"offline edu-shared-prefix, {a.model}, {host_dtype(a.dtype)}, {len(runs[0])} requests"
+        f"\n{meta['machine']}",
     )
     print(report.markdown_table(results))
     print()
