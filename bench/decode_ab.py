@@ -23,12 +23,13 @@ import statistics
 import time
 from collections.abc import Callable
 
-import tutorserve.engine.attn_metadata as attn_metadata
-import tutorserve.layers.attention as attention
+import tutorserve.layers.attention.gather as gather
+import tutorserve.layers.attention.metadata as metadata
 import tutorserve.layers.rotary as rotary
 from tutorserve import LLM, SamplingParams
 from tutorserve.bench.workloads import edu_shared_prefix
 from tutorserve.kernels import isa, norm_act
+from tutorserve.layers.attention.gather import GatherBackend
 
 
 def _rope_per_layer(self, positions, q, k):  # the method as it was
@@ -38,7 +39,7 @@ def _rope_per_layer(self, positions, q, k):  # the method as it was
 
 
 def _suffix_flash(q, k, v, bias, scale):
-    out, lse = attention._FLASH_CPU(
+    out, lse = gather._FLASH_CPU(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), 0.0, False,
         attn_mask=None if bias is None else bias.unsqueeze(1), scale=scale,
     )  # fmt: skip
@@ -47,22 +48,24 @@ def _suffix_flash(q, k, v, bias, scale):
 
 def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
     """change → (label with it, label without it, set(on))."""
-    key, rope, attend = attn_metadata._prefix_key, rotary.RotaryEmbedding.forward, attention._attend
+    key, rope, attend = metadata._prefix_key, rotary.RotaryEmbedding.forward, gather._attend
     supports = norm_act.supports
+    runner = llm.engine.runner
+    kernel, gathering = runner.backend, GatherBackend()
 
     def prefix(on: bool) -> None:  # a change to the gather path, which CPUs no longer take
-        llm.engine.runner.in_place = False
-        attn_metadata._prefix_key = key if on else (lambda *a: ())
+        runner.backend = gathering
+        metadata._prefix_key = key if on else (lambda *a: ())
 
     def rope_step(on: bool) -> None:
         rotary.RotaryEmbedding.forward = rope if on else _rope_per_layer
 
     def flash(on: bool) -> None:  # the gather path too
-        llm.engine.runner.in_place = False
-        attention._attend = _suffix_flash if on else attend
+        runner.backend = gathering
+        gather._attend = _suffix_flash if on else attend
 
     def in_place(on: bool) -> None:
-        llm.engine.runner.in_place = on
+        runner.backend = kernel if on else gathering
 
     def fused(on: bool) -> None:
         norm_act.supports = supports if on else (lambda x, width: False)

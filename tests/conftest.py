@@ -13,6 +13,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tutorserve.kernels import isa
+from tutorserve.layers.attention.cpu_kernel import CPUKernelBackend
+from tutorserve.layers.attention.gather import GatherBackend
 from tutorserve.models.synth import SynthSpec, synth_model
 
 # CLI subprocesses default to a disk tier and a tutor store in the home folder; tests keep
@@ -37,14 +39,14 @@ def cpu_isa(request):
 
 
 @pytest.fixture(params=["gather", *isa.LEVELS])
-def attention_path(request):
-    """Whether attention reads blocks in place: "gather" (what GPUs run), or the CPU kernel at
-    each ISA level (skipped where the CPU cannot run it)."""
+def attention_backend(request):
+    """Each attention backend: gathering blocks (what GPUs run), or the CPU kernel reading them
+    in place at each ISA level (skipped where the CPU cannot run it)."""
     if request.param == "gather":
-        yield False
+        yield GatherBackend()
     else:
         for _ in _kernel_level(request.param):
-            yield True
+            yield CPUKernelBackend()
 
 
 @pytest.fixture(scope="session")

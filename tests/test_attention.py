@@ -6,12 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tutorserve.engine.attn_metadata import build_decode_batch
-from tutorserve.engine.context import PrefillChunk, StepContext, reset_context, set_context
 from tutorserve.kernels import build, isa
 from tutorserve.kernels import paged_attention as kernel
 from tutorserve.kernels.paged_attention import paged_attention
-from tutorserve.layers.attention import PagedAttention
+from tutorserve.layers.attention import AttentionBatch, PagedAttention, PrefillSpan, StepContext
+from tutorserve.layers.attention.context import reset_context, set_context
+from tutorserve.layers.attention.cpu_kernel import CPUKernelBackend
+from tutorserve.layers.attention.gather import GatherBackend
+from tutorserve.layers.attention.selector import select_backend
 
 BS, KVH, GROUP, DIM, BLOCKS = 4, 2, 3, 16, 96
 
@@ -53,8 +55,8 @@ def slots_of(tables, lens):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("share", [True, False])
-def test_decode_with_shared_prefixes_matches_dense(share, attention_path, kv_dtype):
-    in_place = attention_path
+def test_decode_with_shared_prefixes_matches_dense(share, attention_backend, kv_dtype):
+    in_place = isinstance(attention_backend, CPUKernelBackend)
     attn = make_layer(kv_dtype=kv_dtype)
     prefix_a, prefix_b = [1, 2, 3, 4, 5, 6], [9, 10]
     tables = [
@@ -69,7 +71,7 @@ def test_decode_with_shared_prefixes_matches_dense(share, attention_path, kv_dty
         list(range(60, 74)),  # a long history of its own: bucketed apart, not padded to
     ]
     lens = [29, 26, 34, 10, 15, 9, 13, 18, 55]
-    batch = _check_decode(attn, tables, lens, share, None, seed=1, in_place=in_place)
+    batch = _check_decode(attn, attention_backend, tables, lens, share, None, seed=1)
     # Gathered suffixes are bucketed by length; read in place, padding costs nothing.
     assert len(batch.buckets) == 1 if in_place else len(batch.buckets) > 1
     if share:
@@ -80,28 +82,36 @@ def test_decode_with_shared_prefixes_matches_dense(share, attention_path, kv_dty
         assert batch.shared is None
 
 
-def _check_decode(attn, tables, lens, share, hashes, seed, in_place=False):
-    """One decode step through the layer, checked against dense attention; returns its batch."""
+def _step(attn, backend, slots, q, k, v, batch):
+    """The layer on one step's queries, the step's metadata built by `backend`; returns the
+    output and the metadata."""
+    meta = backend.build(batch)
+    set_context(StepContext(slot_mapping=slots, backend=backend, attention=meta))
+    try:
+        return attn(q, k, v), meta
+    finally:
+        reset_context()
+
+
+def _check_decode(attn, backend, tables, lens, share, hashes, seed):
+    """One decode step through the layer, checked against dense attention; returns its decode
+    batch."""
     cpu = torch.device("cpu")
-    batch = build_decode_batch(tables, lens, BS, cpu, torch.float32, share, hashes, in_place)
+    batch = AttentionBatch(BS, cpu, torch.float32, tables, lens, hashes, [], share)
     g = torch.Generator().manual_seed(seed)
     n = len(tables)
     q = torch.randn(n, KVH * GROUP, DIM, generator=g)
     k_new, v_new = torch.randn(n, KVH, DIM, generator=g), torch.randn(n, KVH, DIM, generator=g)
     ref = reference_decode(attn, q, k_new, v_new, tables, lens)
-    set_context(StepContext(slot_mapping=slots_of(tables, lens), num_decode=n, decode=batch))
-    try:
-        out = attn(q, k_new, v_new)
-    finally:
-        reset_context()
+    out, meta = _step(attn, backend, slots_of(tables, lens), q, k_new, v_new, batch)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    return batch
+    return meta.decode
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cached", [9, 0])
-def test_prefill_chunk_after_cached_prefix_matches_dense(cached, attention_path, kv_dtype):
-    in_place = attention_path
+def test_prefill_chunk_after_cached_prefix_matches_dense(cached, attention_backend, kv_dtype):
+    in_place = isinstance(attention_backend, CPUKernelBackend)
     attn = make_layer(seed=2, kv_dtype=kv_dtype)
     table, new = [7, 8, 9, 10, 11], 8  # 9 cached tokens (or none) and 8 new ones
     total = cached + new
@@ -129,60 +139,60 @@ def test_prefill_chunk_after_cached_prefix_matches_dense(cached, attention_path,
     )
     pos = torch.arange(cached, total)
     slots = torch.tensor(table)[pos // BS] * BS + pos % BS
-    if in_place:
-        bounds = torch.tensor([total]), torch.tensor([cached])
-        chunk = PrefillChunk(0, new, total, torch.tensor(table), None, *bounds)
-    elif cached:
-        chunk = PrefillChunk(0, new, total, torch.tensor(table), mask)
-    else:
-        chunk = PrefillChunk(0, new, total)
-    set_context(StepContext(slot_mapping=slots, prefills=[chunk]))
-    try:
-        out = attn(q, k_new, v_new)
-    finally:
-        reset_context()
+    batch = AttentionBatch(
+        BS,
+        torch.device("cpu"),
+        torch.float32,
+        [],
+        [],
+        [],
+        [PrefillSpan(0, new, cached, table)],
+        True,
+    )
+    out, _ = _step(attn, attention_backend, slots, q, k_new, v_new, batch)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # The new K/V landed in the cache at the slot mapping.
     stored = context_kv(attn, table, total)[0][:, cached:]
     torch.testing.assert_close(stored, k_new.transpose(0, 1).to(kv_dtype))
 
 
-def _decode_step(attn, tables, lens, hashes, seed):
-    """A checked decode step; returns the shared-prefix K the layer kept, if any."""
-    _check_decode(attn, tables, lens, True, hashes, seed)
-    return attn._shared[1] if attn._shared is not None else None
+def _decode_step(attn, backend, tables, lens, hashes, seed):
+    """A checked decode step on the gather path; returns the shared-prefix K the backend kept
+    for the layer, if any."""
+    _check_decode(attn, backend, tables, lens, True, hashes, seed)
+    return backend.kept(attn)
 
 
 def test_shared_prefix_kv_is_reused_while_its_content_is_the_same():
-    attn = make_layer(seed=4)
+    attn, backend = make_layer(seed=4), GatherBackend()
     prefix = [1, 2, 3]
     tables = [[*prefix, 20, 21], [*prefix, 22]]
     lens = [18, 14]
     hashes = [[b"h1", b"h2", b"h3", b"x"], [b"h1", b"h2", b"h3"]]
-    first = _decode_step(attn, tables, lens, hashes, seed=5)
+    first = _decode_step(attn, backend, tables, lens, hashes, seed=5)
     assert first is not None
     # The next step (one token further): the same prefix, so the gathered K/V is reused.
-    second = _decode_step(attn, tables, [19, 15], hashes, seed=6)
+    second = _decode_step(attn, backend, tables, [19, 15], hashes, seed=6)
     assert second is first
     # The prefix blocks freed and refilled with other content (another course's prompt landing
     # in the same blocks): their hashes differ, so the layer gathers again, and is right.
     attn.k_cache[:, prefix] = torch.randn(KVH, len(prefix), BS, DIM)
     attn.v_cache[:, prefix] = torch.randn(KVH, len(prefix), BS, DIM)
     other = [[b"o1", b"o2", b"o3", b"x"], [b"o1", b"o2", b"o3"]]
-    third = _decode_step(attn, tables, [19, 15], other, seed=7)
+    third = _decode_step(attn, backend, tables, [19, 15], other, seed=7)
     assert third is not first
     # Without hashes nothing is kept across steps: every step gathers.
-    assert _decode_step(attn, tables, [19, 15], None, seed=8) is None
+    assert _decode_step(attn, backend, tables, [19, 15], None, seed=8) is None
 
 
 def test_a_prefix_too_big_to_copy_is_gathered_every_step():
-    attn = make_layer(seed=9)  # 96 blocks: copies may take at most a quarter, 24 blocks' worth
+    attn, backend = make_layer(seed=9), GatherBackend()  # 96 blocks: a quarter is 24 blocks
     prefix = list(range(1, 31))
     tables = [[*prefix, 40], [*prefix, 41]]
     hashes = [[bytes([i]) for i in range(31)], [bytes([i]) for i in range(30)]]
-    assert _decode_step(attn, tables, [123, 122], hashes, seed=10) is None
+    assert _decode_step(attn, backend, tables, [123, 122], hashes, seed=10) is None
     small = [[*prefix[:12], 40], [*prefix[:12], 41]]
-    assert _decode_step(attn, small, [51, 50], hashes, seed=11) is not None
+    assert _decode_step(attn, backend, small, [51, 50], hashes, seed=11) is not None
 
 
 def test_rotary_looks_positions_up_once_per_step_and_never_reuses_another_steps():
@@ -324,6 +334,10 @@ def test_the_best_level_this_cpu_runs_is_built_and_used_for_attention(monkeypatc
     assert not kernel.supports(cpu, torch.float16, 64)
     assert not kernel.supports(cpu, torch.float32, 24)  # not a multiple of 16
     assert not kernel.supports(torch.device("meta"), torch.float32, 64)
+    # The runner's choice: the kernel where it takes the model's and the cache's dtypes.
+    assert isinstance(select_backend(cpu, torch.float32, torch.bfloat16, 64), CPUKernelBackend)
+    assert isinstance(select_backend(cpu, torch.float16, torch.bfloat16, 64), GatherBackend)
+    assert isinstance(select_backend(torch.device("meta"), *[torch.float32] * 2, 64), GatherBackend)
 
 
 def test_the_override_forces_a_lower_level_and_refuses_what_the_cpu_lacks(monkeypatch, caplog):

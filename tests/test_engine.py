@@ -5,6 +5,8 @@ import torch
 
 from tutorserve import LLM, SamplingParams
 from tutorserve.engine.device import cpu_has_native_bf16, resolve_dtype, resolve_kv_dtype
+from tutorserve.layers.attention.cpu_kernel import CPUKernelBackend
+from tutorserve.layers.attention.gather import GatherBackend
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -44,8 +46,8 @@ def test_decode_gathering_blocks_matches_the_cpu_kernel(synth_llama, mixed_promp
     """On CPUs decode attention reads blocks in place (the C kernel); the gather path is what
     GPUs run, so it is checked here too, batched with shared prefixes."""
     llm = LLM(synth_llama, dtype="float32")
-    assert llm.engine.runner.in_place
-    llm.engine.runner.in_place = False
+    assert isinstance(llm.engine.runner.backend, CPUKernelBackend)
+    llm.engine.runner.backend = GatherBackend()
     outs = llm.generate(mixed_prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics.num_cached_tokens for o in outs) > 0
@@ -204,7 +206,7 @@ def test_a_float32_model_can_store_its_kv_cache_in_bf16(synth_llama, mixed_promp
     alone = LLM(synth_llama, **opts, enable_prefix_caching=False)
     batched = LLM(synth_llama, **opts)
     assert batched.engine.runner.k_cache.dtype == torch.bfloat16
-    assert batched.engine.runner.in_place
+    assert isinstance(batched.engine.runner.backend, CPUKernelBackend)
     assert batched.engine.kv.pool.num_blocks == 2 * f32.engine.kv.pool.num_blocks
     want = [alone.generate([p], GREEDY)[0].token_ids for p in mixed_prompts]
     outs = batched.generate(mixed_prompts, GREEDY)

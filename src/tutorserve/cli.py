@@ -219,9 +219,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     from tutorserve.config import EngineConfig
+    from tutorserve.engine.async_engine import AsyncEngine
     from tutorserve.engine.engine import LLMEngine
     from tutorserve.server.app import ServerSettings, build_app
-    from tutorserve.server.async_engine import AsyncEngine
 
     if a.max_waiting < 1 or (a.max_requests_per_user is not None and a.max_requests_per_user < 1):
         raise ValueError("--max-waiting and --max-requests-per-user must be at least 1")

@@ -20,8 +20,8 @@ from typing import Any
 from tqdm import tqdm
 
 from tutorserve.config import EngineConfig
+from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.engine.engine import LLMEngine
-from tutorserve.server.async_engine import AsyncEngine
 from tutorserve.tutor.courses import Course, Problem, load_courses
 from tutorserve.tutor.llm_client import EngineLLM
 from tutorserve.tutor.service import CRITICAL_STEPS, TutorService

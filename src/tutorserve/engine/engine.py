@@ -17,6 +17,7 @@ from tutorserve.engine.model_runner import ModelRunner
 from tutorserve.engine.outputs import RequestMetrics, RequestOutput
 from tutorserve.engine.scheduler import Scheduler
 from tutorserve.engine.sequence import Sequence, SequenceStatus
+from tutorserve.engine.stats import EngineStats
 from tutorserve.lora.manager import LoRAManager
 from tutorserve.models.loader import load_model
 from tutorserve.sampling_params import SamplingParams
@@ -124,6 +125,22 @@ class LLMEngine:
         """Empty the pool's prefix cache (its blocks spill to the KV tiers, as under pressure);
         returns the number of blocks dropped. For benchmarks of cold starts."""
         return self.kv.pool.evict_cached()
+
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics: queues, KV blocks, prefix-cache and tier counters."""
+        kv, pool, sched = self.kv, self.kv.pool, self.scheduler
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv_blocks=pool.num_blocks,
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_free=pool.num_free,
+            kv_blocks_cached=pool.num_cached_free,
+            prefix_query_tokens=kv.prefix_query_tokens,
+            prefix_hit_tokens=kv.prefix_hit_tokens,
+            num_preemptions=sched.num_preemptions,
+            tiers=() if self.store is None else tuple(t.snapshot() for t in self.store.tiers),
+        )
 
     def on_idle(self) -> None:
         """Nothing to step: a good moment for the KV tiers' deferred disk writes."""

@@ -9,19 +9,12 @@ import numpy as np
 import torch
 
 from tutorserve.config import EngineConfig
-from tutorserve.engine.attn_metadata import build_decode_batch
-from tutorserve.engine.context import (
-    LoRABatch,
-    PrefillChunk,
-    StepContext,
-    reset_context,
-    set_context,
-)
 from tutorserve.engine.sampler import sample
 from tutorserve.engine.scheduler import SchedulerOutput
 from tutorserve.engine.sequence import Sequence
-from tutorserve.kernels import isa
-from tutorserve.kernels import paged_attention as attention_kernel
+from tutorserve.layers.attention import AttentionBatch, PrefillSpan, StepContext, select_backend
+from tutorserve.layers.attention.context import reset_context, set_context
+from tutorserve.layers.lora import LoRABatch
 from tutorserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -49,13 +42,10 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.share_prefixes = config.enable_prefix_caching
-        self.in_place = all(
-            attention_kernel.supports(device, dt, cfg.head_dim) for dt in (dtype, kv_dtype)
-        )
+        self.backend = select_backend(device, dtype, kv_dtype, cfg.head_dim)
         self.workspace: dict[str, torch.Tensor] = {}
         self.last_forward_s = 0.0
         self.num_lora_slots = 0  # set when LoRA is enabled
-        kernels = isa.active() if self.in_place else None
         log.info(
             "KV cache: %d blocks of %d tokens, %s (%.1f MiB); model in %s; attention %s",
             num_blocks,
@@ -63,7 +53,7 @@ class ModelRunner:
             str(kv_dtype).removeprefix("torch."),
             2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
             str(dtype).removeprefix("torch."),
-            f"reads blocks in place ({kernels.level} kernels)" if kernels else "gathers blocks",
+            self.backend,
         )
 
     @torch.inference_mode()
@@ -89,10 +79,7 @@ class ModelRunner:
         bs, dev = self.block_size, self.device
         ids: list[int] = []
         pos_parts, slot_parts = [], []
-        dec_tables: list[list[int]] = []
-        dec_hashes: list[list[bytes]] = []
-        dec_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
+        attn = AttentionBatch(bs, dev, self.dtype, [], [], [], [], self.share_prefixes)
         logit_rows: list[int] = []
         samplers: list[Sequence] = []
         offset = 0
@@ -104,43 +91,23 @@ class ModelRunner:
             pos_parts.append(pos)
             slot_parts.append(np.asarray(table)[pos // bs] * bs + pos % bs)
             if n == 1:
-                dec_tables.append(table)
-                dec_hashes.append(seq.block_hashes)
-                dec_lens.append(end)
-            elif self.in_place:
-                table_t = torch.as_tensor(table, device=dev)
-                bounds = torch.tensor([end]), torch.tensor([start])
-                prefills.append(PrefillChunk(offset, offset + n, end, table_t, None, *bounds))
-            elif start == 0:
-                prefills.append(PrefillChunk(offset, offset + n, end))
+                attn.decode_tables.append(table)
+                attn.decode_hashes.append(seq.block_hashes)
+                attn.decode_lens.append(end)
             else:
-                keys = torch.arange(end, device=dev)
-                mask = keys[None, :] <= torch.arange(start, end, device=dev)[:, None]
-                table_t = torch.as_tensor(table, device=dev)
-                prefills.append(PrefillChunk(offset, offset + n, end, table_t, mask))
+                attn.prefills.append(PrefillSpan(offset, offset + n, start, table))
             if end == seq.num_tokens:
                 logit_rows.append(offset + n - 1)
                 samplers.append(seq)
             offset += n
         ctx = StepContext(
             slot_mapping=torch.as_tensor(np.concatenate(slot_parts), device=dev),
-            num_decode=len(dec_lens),
-            prefills=prefills,
+            backend=self.backend,
+            attention=self.backend.build(attn),
             workspace=self.workspace,
         )
         if self.num_lora_slots:
             ctx.lora = self._lora_batch(batch)
-        if dec_lens:
-            ctx.decode = build_decode_batch(
-                dec_tables,
-                dec_lens,
-                bs,
-                dev,
-                self.dtype,
-                self.share_prefixes,
-                dec_hashes,
-                self.in_place,
-            )
         return (
             torch.as_tensor(ids, device=dev),
             torch.as_tensor(np.concatenate(pos_parts), device=dev),

@@ -11,14 +11,29 @@ result is added into the sub-projection's slice of the base output.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 from torch import nn
 
-from tutorserve.engine.context import LoRABatch, lora_batch
+from tutorserve.layers.attention.context import current_context
 
 GATHER_ROWS = 128  # steps up to this many tokens gather weights per row; larger ones segment
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """Which tokens of the step use an adapter, grouped by the adapter's slot: the rows of one
+    slot are contiguous, so each slot's low-rank product is one segment of a grouped matmul.
+    The model runner builds it each step and puts it in the step context."""
+
+    rows: torch.Tensor  # [n] token rows using an adapter, ordered by slot
+    offsets: torch.Tensor  # [num_slots] int32 end of each slot's segment in `rows`
+    counts: list[int]  # rows per slot
+    slots: list[int]  # the slots with rows this step (few: the step's distinct adapters)
+    row_slots: torch.Tensor  # [num_tokens] each token's slot; num_slots (a zero slot) if none
+    single: int | None  # the slot, when every token of the step uses that one adapter
 
 
 def segment_mm(x: torch.Tensor, w: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
@@ -87,7 +102,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        batch = lora_batch()
+        ctx = current_context()
+        batch: LoRABatch | None = None if ctx is None else ctx.lora
         if batch is None or not any(self.used[s] for s in batch.slots):
             return out
         r = self.rank

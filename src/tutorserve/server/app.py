@@ -16,8 +16,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tutorserve.server.async_engine import AdmissionError, AsyncEngine, EngineDeadError
-from tutorserve.server.metrics import CONTENT_TYPE
+from tutorserve.engine.async_engine import AdmissionError, AsyncEngine, EngineDeadError
+from tutorserve.server.metrics import CONTENT_TYPE, EngineMetrics
 from tutorserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -31,7 +31,7 @@ from tutorserve.server.protocol import (
     error_body,
 )
 from tutorserve.server.serving import APIError, OpenAIServing
-from tutorserve.tutor.api import tutor_router
+from tutorserve.server.tutor_api import tutor_router
 from tutorserve.tutor.service import TutorService
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,8 @@ def build_app(
     server: AsyncEngine, settings: ServerSettings, tutor: TutorService | None = None
 ) -> FastAPI:
     serving = OpenAIServing(server, settings.model_name)
+    exporter = EngineMetrics(server.stats)
+    server.on_finished, server.on_rejected = exporter.observe_finished, exporter.observe_rejected
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
@@ -225,10 +227,9 @@ def build_app(
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         base, n = settings.model_name, serving.max_model_len
-        engine = server.engine
         adapters = [
-            ModelCard(id=name, max_model_len=n, root=str(engine.lora.paths[name]), parent=base)
-            for name in engine.lora_names()
+            ModelCard(id=name, max_model_len=n, root=path, parent=base)
+            for name, path in server.lora_adapters().items()
         ]
         return ModelList(data=[ModelCard(id=base, max_model_len=n), *adapters])
 
@@ -238,7 +239,7 @@ def build_app(
         if req.lora_name == settings.model_name:
             raise APIError(400, "lora_name must differ from the base model's", param="lora_name")
         try:
-            await server.call(lambda: server.engine.load_lora(req.lora_name, req.lora_path))
+            await server.load_lora(req.lora_name, req.lora_path)
         except ValueError as e:
             raise APIError(400, str(e), param="lora_path") from e
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
@@ -246,7 +247,7 @@ def build_app(
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         try:
-            await server.call(lambda: server.engine.unload_lora(req.lora_name))
+            await server.unload_lora(req.lora_name)
         except KeyError as e:
             raise APIError(
                 404, f"LoRA adapter '{req.lora_name}' is not loaded", param="lora_name",
@@ -264,7 +265,7 @@ def build_app(
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(exporter.render(), media_type=CONTENT_TYPE)
 
     if tutor is not None:
         app.include_router(tutor_router(tutor))

@@ -1,14 +1,14 @@
 """Prometheus metrics, named after vLLM's (`vllm:` → `tutorserve:`) so dashboards carry over.
 
-Engine state (queues, KV blocks, prefix-cache counters) is read at scrape time by a collector,
-so the step loop pays nothing for it; per-request histograms are observed when a request ends.
+Engine state (queues, KV blocks, prefix-cache counters) is an `EngineStats` snapshot taken at
+scrape time by a collector, so the step loop pays nothing for it; per-request histograms are
+observed when a request ends.
 Each server owns its registry, so several servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -19,12 +19,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from tutorserve.engine.kv_tiers.disk import DiskTier
-from tutorserve.engine.kv_tiers.ram import RamTier
 from tutorserve.engine.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    from tutorserve.server.async_engine import AsyncEngine
+from tutorserve.engine.stats import EngineStats, TierSnapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _P = "tutorserve:"
@@ -34,13 +30,11 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75
 
 
 class _EngineStateCollector(Collector):
-    def __init__(self, server: AsyncEngine) -> None:
-        self.server = server
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        s = self.server
-        kv = s.engine.kv
-        pool = kv.pool
+        s = self.stats()
         yield GaugeMetricFamily(
             _P + "num_requests_running", "Requests in the running batch.", value=s.num_running
         )
@@ -55,36 +49,35 @@ class _EngineStateCollector(Collector):
             "prefix for reuse), empty.",
             labels=["state"],
         )
-        cached_free = pool.num_cached_free
-        blocks.add_metric(["used"], kv.num_used_blocks)
-        blocks.add_metric(["cached"], cached_free)
-        blocks.add_metric(["empty"], pool.num_free - cached_free)
+        blocks.add_metric(["used"], s.kv_blocks_used)
+        blocks.add_metric(["cached"], s.kv_blocks_cached)
+        blocks.add_metric(["empty"], s.kv_blocks_empty)
         yield blocks
         yield GaugeMetricFamily(
             _P + "kv_cache_usage_perc",
             "Fraction of KV cache blocks held by requests.",
-            value=kv.num_used_blocks / pool.num_blocks,
+            value=s.kv_blocks_used / s.kv_blocks,
         )
         yield CounterMetricFamily(
             _P + "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            value=kv.prefix_query_tokens,
+            value=s.prefix_query_tokens,
         )
         yield CounterMetricFamily(
             _P + "prefix_cache_hits",
             "Prompt tokens found in the prefix cache.",
-            value=kv.prefix_hit_tokens,
+            value=s.prefix_hit_tokens,
         )
         yield CounterMetricFamily(
             _P + "num_preemptions",
             "Requests preempted to free KV blocks.",
-            value=s.engine.scheduler.num_preemptions,
+            value=s.num_preemptions,
         )
-        if s.engine.store is not None:
-            yield from _tier_metrics(s.engine.store.tiers)
+        if s.tiers:
+            yield from _tier_metrics(s.tiers)
 
 
-def _tier_metrics(tiers: list[RamTier | DiskTier]) -> Iterator[Metric]:
+def _tier_metrics(tiers: tuple[TierSnapshot, ...]) -> Iterator[Metric]:
     """Per KV tier (ram, disk): lookups, traffic, restore latency and occupancy."""
     counters = {
         "hits": ("KV blocks restored from the tier instead of recomputed.", "hits"),
@@ -92,12 +85,12 @@ def _tier_metrics(tiers: list[RamTier | DiskTier]) -> Iterator[Metric]:
         "bytes_in": ("Bytes written into the tier.", "bytes_in"),
         "bytes_out": ("Bytes read out of the tier.", "bytes_out"),
         "errors": ("Corrupt, truncated or foreign blocks dropped and recomputed.", "errors"),
-        "dropped_writes": ("Blocks not stored: over budget or writer backlog.", "dropped"),
+        "dropped_writes": ("Blocks not stored: over budget or writer backlog.", "dropped_writes"),
     }
     for name, (doc, attr) in counters.items():
         family = CounterMetricFamily(_P + f"kv_tier_{name}", doc, labels=["tier"])
         for t in tiers:
-            family.add_metric([t.name], getattr(t.stats, attr))
+            family.add_metric([t.name], getattr(t, attr))
         yield family
     load = SummaryMetricFamily(
         _P + "kv_tier_load_seconds",
@@ -108,17 +101,17 @@ def _tier_metrics(tiers: list[RamTier | DiskTier]) -> Iterator[Metric]:
     cap = GaugeMetricFamily(_P + "kv_tier_capacity_bytes", "Byte budget.", labels=["tier"])
     blocks = GaugeMetricFamily(_P + "kv_tier_blocks", "Blocks held.", labels=["tier"])
     for t in tiers:
-        load.add_metric([t.name], t.stats.loads, t.stats.load_seconds)
+        load.add_metric([t.name], t.loads, t.load_seconds)
         used.add_metric([t.name], t.used_bytes)
         cap.add_metric([t.name], t.capacity_bytes)
-        blocks.add_metric([t.name], len(t))
+        blocks.add_metric([t.name], t.blocks)
     yield from (load, used, cap, blocks)
 
 
 class EngineMetrics:
-    def __init__(self, server: AsyncEngine) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStateCollector(server))
+        self.registry.register(_EngineStateCollector(stats))
         r = self.registry
         self.ttft = Histogram(
             _P + "time_to_first_token_seconds",
@@ -156,6 +149,9 @@ class EngineMetrics:
             ["reason"],
             registry=r,
         )
+
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics

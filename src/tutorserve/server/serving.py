@@ -17,9 +17,9 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tutorserve.engine.async_engine import AsyncEngine, RequestStream
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.sampling_params import SamplingParams
-from tutorserve.server.async_engine import AsyncEngine, RequestStream
 from tutorserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -61,21 +61,21 @@ class OpenAIServing:
     def __init__(self, server: AsyncEngine, model_name: str) -> None:
         self.server = server
         self.model_name = model_name
-        self.tokenizer = server.engine.tokenizer
-        self.max_model_len = server.engine.max_model_len
+        self.tokenizer = server.tokenizer
+        self.max_model_len = server.max_model_len
 
     # ---- building the engine request --------------------------------------------------------
     def _check_model(self, model: str) -> str | None:
         """The LoRA adapter that `model` names, or None for the base model."""
         if model == self.model_name:
             return None
-        if model in self.server.engine.lora_names():
+        adapters = list(self.server.lora_adapters())
+        if model in adapters:
             return model
         raise APIError(
             404,
             f"The model `{model}` does not exist; this server serves `{self.model_name}`"
-            + (f" and the LoRA adapters {self.server.engine.lora_names()}." if
-               self.server.engine.lora_names() else "."),
+            + (f" and the LoRA adapters {adapters}." if adapters else "."),
             param="model",
             code="model_not_found",
         )  # fmt: skip
@@ -98,7 +98,7 @@ class OpenAIServing:
     def _checked(self, ids: list[int], param: str) -> list[int]:
         """The engine's own prompt check, as a 400 naming the field."""
         try:
-            self.server.engine.check_prompt(ids)
+            self.server.check_prompt(ids)
         except ValueError as e:
             code = "context_length_exceeded" if len(ids) >= self.max_model_len else None
             raise APIError(400, str(e), param=param, code=code) from e

@@ -13,10 +13,25 @@ text leaks only when stated as a result ("= 3", "is 3", quoted).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from tutorserve.tutor.courses import Problem
+
+class _WrongAnswer(Protocol):
+    answer: str
+
+
+class Problem(Protocol):
+    """What these checks read of a problem (`courses.Problem` is one; the courses module
+    imports this one to vet its hints, so it is described here rather than imported)."""
+
+    text: str
+    answer_type: str
+    misconceptions: Sequence[_WrongAnswer]
+
+    @property
+    def answer_forms(self) -> list[str]: ...
+
 
 # A number not glued to a letter, digit, decimal point or caret ("x^2" is not a 2), with
 # optional thousands separators, decimals and a fraction bar.

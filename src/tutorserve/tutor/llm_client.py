@@ -12,8 +12,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.sampling_params import SamplingParams
-from tutorserve.server.async_engine import AsyncEngine
 
 Messages = list[dict[str, str]]
 
@@ -52,9 +52,9 @@ class EngineLLM:
         self.lora = lora
 
     def _prompt(self, messages: Messages, max_tokens: int) -> list[int]:
-        ids = self.server.engine.tokenizer.encode_chat(messages)
+        ids = self.server.tokenizer.encode_chat(messages)
         # Keep the tail within the context: the task comes last, the course prefix first.
-        room = self.server.engine.max_model_len - max_tokens - 1
+        room = self.server.max_model_len - max_tokens - 1
         if len(ids) > room:
             raise ValueError(f"tutor prompt of {len(ids)} tokens leaves no room to answer")
         return ids

@@ -14,6 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import takewhile
 
+from tutorserve.engine.stats import TierSnapshot
+
 
 @dataclass(slots=True)
 class LruEntry:
@@ -115,6 +117,13 @@ class LruTier:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def snapshot(self) -> TierSnapshot:
+        s = self.stats
+        return TierSnapshot(
+            self.name, s.hits, s.misses, s.bytes_in, s.bytes_out, s.errors, s.dropped, s.loads,
+            s.load_seconds, self.used_bytes, self.capacity_bytes, len(self),
+        )  # fmt: skip
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.index

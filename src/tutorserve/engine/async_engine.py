@@ -5,6 +5,10 @@ every stream. One thread owns the `LLMEngine`: it takes new requests and aborts 
 under a lock, steps without the lock, and hands each step's outputs back to the loop in a single
 `call_soon_threadsafe`. Admission (waiting-queue cap, per-user cap) is decided on the loop before
 a request reaches the inbox, so a refused request costs nothing but its parse.
+
+This is the engine's front for the server and the tutor: submit (a stream out; closing it
+aborts), model info (tokenizer, context length, prompt checks, LoRA adapters) and a stats
+snapshot; what a metrics exporter counts arrives through `on_finished` and `on_rejected`.
 """
 
 from __future__ import annotations
@@ -14,13 +18,14 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from tutorserve.engine.engine import LLMEngine
 from tutorserve.engine.outputs import RequestOutput
+from tutorserve.engine.stats import EngineStats
+from tutorserve.models.tokenizer import Tokenizer
 from tutorserve.sampling_params import SamplingParams
-from tutorserve.server.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,7 +97,6 @@ class AsyncEngine:
         *,
         max_waiting: int = 256,
         max_requests_per_user: int | None = None,
-        metrics: EngineMetrics | None = None,
     ) -> None:
         if max_waiting < 1:
             raise ValueError("max_waiting must be at least 1")
@@ -101,7 +105,10 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.max_requests_per_user = max_requests_per_user
-        self.metrics = metrics or EngineMetrics(self)
+        # Called on the event loop: each ended request, and each refusal by its reason
+        # ("queue_full", "user_limit"). A metrics exporter sets them.
+        self.on_finished: Callable[[RequestOutput], None] = lambda out: None
+        self.on_rejected: Callable[[str], None] = lambda reason: None
         self._cond = threading.Condition()
         self._adds: list[_Pending] = []
         self._aborts: list[str] = []
@@ -133,15 +140,39 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
-    # ---- state read by /metrics and admission -------------------------------------------
+    # ---- model info and state (read on the event loop) ---------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """ValueError for a prompt the engine cannot take (empty, too long, bad token ids)."""
+        self.engine.check_prompt(ids)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Registered LoRA adapters: name → folder."""
+        return {name: str(self.engine.lora.paths[name]) for name in self.engine.lora_names()}
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Register a PEFT adapter (ValueError if invalid or the name is taken)."""
+        await self.call(lambda: self.engine.load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        """KeyError if unknown, ValueError while requests use it."""
+        await self.call(lambda: self.engine.unload_lora(name))
+
     @property
     def num_waiting(self) -> int:
         # len() of a list the engine thread mutates is an atomic snapshot under the GIL.
         return len(self._adds) + len(self.engine.scheduler.waiting)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+    def stats(self) -> EngineStats:
+        """The engine's snapshot, requests still in this front's inbox counted as waiting."""
+        return replace(self.engine.stats(), num_waiting=self.num_waiting)
 
     # ---- requests (called on the event loop) --------------------------------------------
     def submit(
@@ -161,7 +192,7 @@ class AsyncEngine:
         retry = max(1, round(self._recent_latency))
         cap = self.max_requests_per_user
         if user is not None and cap is not None and self._users[user] >= cap:
-            self.metrics.rejected.labels(reason="user_limit").inc()
+            self.on_rejected("user_limit")
             raise AdmissionError(
                 f"user {user!r} already has {self._users[user]} requests in flight "
                 f"(the limit is {cap})",
@@ -169,7 +200,7 @@ class AsyncEngine:
             )
         with self._cond:
             if self.num_waiting >= self.max_waiting:
-                self.metrics.rejected.labels(reason="queue_full").inc()
+                self.on_rejected("queue_full")
                 raise AdmissionError(
                     f"the server is at capacity ({self.num_waiting} requests waiting)", retry
                 )
@@ -284,7 +315,7 @@ class AsyncEngine:
                 stream._queue.put_nowait(error)
         for out in outputs:
             if out.finished:
-                self.metrics.observe_finished(out)
+                self.on_finished(out)
                 if (e2e := out.metrics.e2e_latency) is not None:
                     self._recent_latency = 0.9 * self._recent_latency + 0.1 * e2e
             stream = self._streams.get(out.request_id)

@@ -1,24 +1,96 @@
-"""Attention metadata for the decode rows of a step: padded block tables, validity masks, and
-the groups of rows that share a cached prefix (for cascade attention)."""
+"""What a step's attention needs: the runner's view of the step (`AttentionBatch`), and the
+decode layout every backend shares — padded block tables, and the groups of rows that share a
+cached prefix (for cascade attention)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
 
-from tutorserve.engine.context import DecodeBatch, DecodeBucket, SharedPrefixGroups
+Prefill = TypeVar("Prefill")
 
 
-def build_decode_batch(
-    tables: list[list[int]],
-    lens: list[int],
-    block_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    share_prefixes: bool,
-    hashes: list[list[bytes]] | None = None,
-    in_place: bool = False,
-) -> DecodeBatch:
+@dataclass(slots=True)
+class PrefillSpan:
+    """One request computing several tokens this step (a whole prompt or a chunk of it)."""
+
+    start: int  # offset of its first query token in the flattened batch
+    end: int
+    first_pos: int  # position of its first token: the tokens before it are in the KV cache
+    table: list[int]  # its blocks, through this chunk
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in KV after this step, this chunk included."""
+        return self.first_pos + self.end - self.start
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """A step as the model runner sees it, before any backend lays it out: the one-token
+    (decode) rows, which come first in the flattened batch, then the prefill chunks."""
+
+    block_size: int
+    device: torch.device
+    dtype: torch.dtype  # the queries' (the model's)
+    decode_tables: list[list[int]]  # each decode row's blocks, covering its context
+    decode_lens: list[int]  # tokens in each decode row's context, the new one included
+    decode_hashes: list[list[bytes]] | None  # chained block hashes per row (None: unknown)
+    prefills: list[PrefillSpan]
+    share_prefixes: bool  # group decode rows by shared cached prefix (prefix caching on)
+
+
+@dataclass(slots=True)
+class SharedPrefixGroups:
+    """Decode rows whose block tables start with the same cached blocks (students of one
+    course). Attention over that shared prefix is computed once per group for all its queries,
+    then merged with each row's own suffix by log-sum-exp (cascade attention)."""
+
+    tables: torch.Tensor  # [groups, max_prefix_blocks] shared prefix blocks, padded
+    bias: torch.Tensor | None  # [groups, 1, max_prefix_blocks * block_size]; None: no padding
+    rows: torch.Tensor  # [groups, max_members] decode row of each member, padded with 0
+    member_slots: torch.Tensor  # [grouped_rows] flat (group, member) index of each grouped row
+    grouped_rows: torch.Tensor  # [grouped_rows] decode row index
+    # Each group's prefix blocks and content hash: equal non-empty keys mean equal gathered
+    # K/V (shared blocks are full and computed); () means unknown.
+    key: tuple = ()
+    lens: torch.Tensor | None = None  # [groups] prefix keys, for reading blocks in place
+
+
+@dataclass(slots=True)
+class DecodeBucket:
+    """Decode rows of similar suffix length, padded to one width together (one long history
+    must not pad every other row to its length). Attention that reads blocks in place takes
+    every row in one bucket with its length instead: padding costs it nothing."""
+
+    rows: torch.Tensor | None  # decode row indices; None = all rows, in order
+    tables: torch.Tensor  # [rows, max_blocks] blocks after any shared prefix, padded
+    bias: torch.Tensor | None  # [rows, 1, max_blocks * block_size] additive; None: no padding
+    lens: torch.Tensor | None = None  # [rows] keys in each row's blocks, for in-place reads
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """The one-token rows, which come first in the flattened batch."""
+
+    num_rows: int
+    buckets: list[DecodeBucket]
+    shared: SharedPrefixGroups | None = None
+
+
+@dataclass(slots=True)
+class AttentionMetadata(Generic[Prefill]):
+    """What a backend builds once per step for every layer: the decode rows' layout, and each
+    prefill chunk in the backend's own form (with `start` and `end` in the flattened batch)."""
+
+    decode: DecodeBatch | None
+    prefills: list[Prefill]
+
+
+def build_decode_batch(batch: AttentionBatch, in_place: bool) -> DecodeBatch:
     """Block tables (covering each row's context) split into shared prefixes and own suffixes.
 
     Rows share blocks only through the prefix cache, so shared blocks are full and already
@@ -28,9 +100,10 @@ def build_decode_batch(
     `in_place`: blocks are read where they lie (the CPU kernel), so all rows go in one bucket
     with their lengths, and each shared prefix comes with its length.
     """
-    bs = block_size
+    tables, lens, hashes = batch.decode_tables, batch.decode_lens, batch.decode_hashes
+    bs, device, dtype = batch.block_size, batch.device, batch.dtype
     shared_blocks = [0] * len(tables)
-    groups = _shared_prefix_groups(tables, lens, bs) if share_prefixes else []
+    groups = _shared_prefix_groups(tables, lens, bs) if batch.share_prefixes else []
     for rows, n in groups:
         for r in rows:
             shared_blocks[r] = n
@@ -38,16 +111,18 @@ def build_decode_batch(
     suffix_lens = [n - s * bs for n, s in zip(lens, shared_blocks, strict=True)]
     if in_place:
         lens_t = torch.as_tensor(suffix_lens, device=device)
-        batch = DecodeBatch([DecodeBucket(None, _table_tensor(suffix, device), None, lens_t)])
+        decode = DecodeBatch(
+            len(tables), [DecodeBucket(None, _table_tensor(suffix, device), None, lens_t)]
+        )
     else:
         parts = _buckets([len(t) for t in suffix])
-        batch = DecodeBatch([])
+        decode = DecodeBatch(len(tables), [])
         for rows in parts:
             tables_b, bias_b = _padded(
                 [suffix[r] for r in rows], [suffix_lens[r] for r in rows], bs, device, dtype
             )
             rows_t = None if len(parts) == 1 else torch.as_tensor(rows, device=device)
-            batch.buckets.append(DecodeBucket(rows_t, tables_b, bias_b))
+            decode.buckets.append(DecodeBucket(rows_t, tables_b, bias_b))
     if groups:
         prefixes = [tables[rows[0]][:n] for rows, n in groups]
         prefix_lens = [n * bs for _, n in groups]
@@ -62,7 +137,7 @@ def build_decode_batch(
             members[g, : len(rows)] = rows
             slots += [g * width + j for j in range(len(rows))]
             grouped += rows
-        batch.shared = SharedPrefixGroups(
+        decode.shared = SharedPrefixGroups(
             tables=ptables,
             bias=pbias,
             rows=torch.as_tensor(members, device=device),
@@ -71,7 +146,7 @@ def build_decode_batch(
             key=() if in_place else _prefix_key(tables, hashes, groups),
             lens=torch.as_tensor(prefix_lens, device=device) if in_place else None,
         )
-    return batch
+    return decode
 
 
 def _prefix_key(

@@ -1,0 +1,43 @@
+"""A snapshot of the engine's state, as vLLM's stat loggers read it: everything a metrics
+exporter or a dashboard shows, copied out of the engine in one call, so that they read no
+engine internals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TierSnapshot:
+    """One KV tier (ram or disk): lookups, traffic, restore time and occupancy."""
+
+    name: str
+    hits: int  # blocks restored instead of recomputed
+    misses: int  # admitted requests whose cacheable prompt the tier did not hold to the end
+    bytes_in: int
+    bytes_out: int
+    errors: int  # corrupt, truncated or foreign blocks dropped (and recomputed)
+    dropped_writes: int  # writes skipped: over budget, or the writer behind
+    loads: int  # restores of one request's run of blocks
+    load_seconds: float
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int  # requests in the running batch
+    num_waiting: int  # accepted, not yet scheduled
+    kv_blocks: int  # the pool's size
+    kv_blocks_used: int  # held by requests
+    kv_blocks_free: int  # held by none
+    kv_blocks_cached: int  # free, but keeping a prefix for reuse
+    prefix_query_tokens: int  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int  # ... and found there
+    num_preemptions: int
+    tiers: tuple[TierSnapshot, ...]  # empty without KV tiers
+
+    @property
+    def kv_blocks_empty(self) -> int:
+        return self.kv_blocks_free - self.kv_blocks_cached
