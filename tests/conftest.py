@@ -69,6 +69,13 @@ def synth_qwen2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def synth_qwen3(tmp_path_factory):
+    """Qwen3: RMSNorms over each head of q and k (random weights, so they matter), no biases."""
+    spec = SynthSpec(arch="qwen3", heads=4, kv_heads=2, seed=3)
+    return str(synth_model(tmp_path_factory.mktemp("qwen3"), spec))
+
+
+@pytest.fixture(scope="session")
 def mixed_prompts():
     """16 prompts of mixed lengths; half share a 70-token prefix (over 4 KV blocks)."""
     rng = random.Random(0)

@@ -6,7 +6,10 @@ directly or round a longer loop — type-only imports included."""
 import ast
 from pathlib import Path
 
+import pytest
+
 import tutorserve
+from tutorserve.models.classes import MODEL_CLASSES, model_class
 
 ROOT = Path(tutorserve.__file__).parent
 ORDER = ["config", "sampling_params", "kernels", "layers", "models", "lora", "engine", "tutor",
@@ -88,3 +91,12 @@ def test_the_checks_see_the_imports():
     assert "tutorserve.layers.attention.context" in edges["tutorserve.layers.lora"]
     assert "tutorserve.kernels.isa" in edges["tutorserve.kernels.norm_act"]
     assert _rank("tutorserve.server.app") > _rank("tutorserve.tutor.service")
+
+
+def test_each_architecture_is_one_declared_class_found_by_its_model_type():
+    assert set(MODEL_CLASSES) >= {"llama", "qwen2", "qwen3"}
+    for model_type, cls in MODEL_CLASSES.items():
+        assert model_class(model_type) is cls and model_type in cls.arch.model_types
+    assert model_class("qwen2").arch.qkv_bias and model_class("qwen3").arch.qk_norm
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'; supported: llama"):
+        model_class("gpt2")

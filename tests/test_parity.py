@@ -10,7 +10,7 @@ from tutorserve.models.registry import resolve
 N_NEW = 24
 
 
-@pytest.mark.parametrize("fixture", ["synth_llama", "synth_qwen2"])
+@pytest.mark.parametrize("fixture", ["synth_llama", "synth_qwen2", "synth_qwen3"])
 def test_synthetic_parity_batched_with_shared_prefixes(
     fixture, mixed_prompts, request, hf_greedy, cpu_isa
 ):

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tutorserve.models.classes import MODEL_CLASSES
 from tutorserve.models.registry import DEFAULT_MODEL
 from tutorserve.sampling_params import SamplingParams
 
@@ -394,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("synth-model", help="write a random-init HF checkpoint + tokenizer")
     p.add_argument("out")
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    p.add_argument("--arch", default="llama", choices=sorted(MODEL_CLASSES))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)

@@ -14,42 +14,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from tutorserve.models.classes import model_class
 from tutorserve.models.config import ModelConfig
 
-# The projections an adapter may target, by PEFT name: (our fused module, its sub-target index).
-TARGETS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
 )
 # Options that change what LoRA computes, refused unless left at PEFT's default.
 _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None}
-
-
-def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each targetable projection of the base model."""
-    h, q, kv, inter = (
-        cfg.hidden_size,
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "down_proj": (inter, h),
-    }
 
 
 @dataclass(slots=True)
@@ -83,14 +55,15 @@ def load_adapter(name: str, path: str | Path, base: ModelConfig, max_rank: int) 
     for key, default in _UNSUPPORTED.items():
         if cfg.get(key, default) not in (default, [], {}):
             raise ValueError(f"LoRA adapter {name!r}: {key}={cfg[key]!r} is not supported")
+    shapes = model_class(base.arch).arch.projection_shapes(base)  # the targets it may have
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     parents: dict[str, str] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
-        if m is None or m.group(3) not in TARGETS:
+        if m is None or m.group(3) not in shapes:
             raise ValueError(
                 f"LoRA adapter {name!r}: unsupported weight {key!r}; supported targets: "
-                f"{', '.join(TARGETS)}"
+                f"{', '.join(shapes)}"
             )
         layer = int(m.group(1))
         if layer >= base.num_layers:
@@ -100,7 +73,6 @@ def load_adapter(name: str, path: str | Path, base: ModelConfig, max_rank: int) 
         parents[m.group(3)] = m.group(2)
     if not pairs:
         raise ValueError(f"LoRA adapter {name!r}: no LoRA weights in {weights_path}")
-    shapes = projection_shapes(base)
     weights, rank = {}, 0
     for (layer, proj), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:

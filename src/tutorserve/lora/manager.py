@@ -22,27 +22,18 @@ log = logging.getLogger(__name__)
 def wrap_model(
     model: nn.Module, num_slots: int, max_rank: int
 ) -> dict[tuple[int, str], LoRALinear]:
-    """Put a LoRALinear around every targetable projection; returns them by (layer, module)."""
+    """Put a LoRALinear around every projection the model's class declares targetable; returns
+    them by (layer, module)."""
     cfg: ModelConfig = model.config  # type: ignore[assignment]
-    q, kv, inter = (
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
-    layouts = {
-        "qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-        "o_proj": [("o_proj", cfg.hidden_size)],
-        "gate_up_proj": [("gate_proj", inter), ("up_proj", inter)],
-        "down_proj": [("down_proj", cfg.hidden_size)],
-    }
+    packed = model.arch.packed(cfg)  # type: ignore[attr-defined]
     out = {}
     for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
-        for parent in (layer.self_attn, layer.mlp):
-            for name, parts in layouts.items():
-                if hasattr(parent, name):
-                    wrapped = LoRALinear(getattr(parent, name), parts, num_slots, max_rank)
-                    setattr(parent, name, wrapped)
-                    out[i, name] = wrapped
+        for path, parts in packed.items():
+            parent_name, name = path.split(".")
+            parent = getattr(layer, parent_name)
+            wrapped = LoRALinear(getattr(parent, name), parts, num_slots, max_rank)
+            setattr(parent, name, wrapped)
+            out[i, name] = wrapped
     return out
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tutorserve.lora.adapter import TARGETS, projection_shapes
+from tutorserve.models.classes import model_class
 from tutorserve.models.config import ModelConfig
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -29,18 +29,19 @@ def synth_lora(
     changes outputs: `strength` is the update's size relative to its input's."""
     if rank < 1:
         raise ValueError("rank must be at least 1")
-    unknown = sorted(set(targets) - set(TARGETS))
+    arch = model_class(base.arch).arch
+    shapes = arch.projection_shapes(base)
+    parents = {p.name: p.parent for p in arch.projections}
+    unknown = sorted(set(targets) - set(shapes))
     if unknown or not targets:
-        raise ValueError(f"unsupported target(s) {unknown}; choose from {', '.join(TARGETS)}")
+        raise ValueError(f"unsupported target(s) {unknown}; choose from {', '.join(shapes)}")
     alpha = float(alpha if alpha is not None else 2 * rank)
     gen = torch.Generator().manual_seed(seed)
-    shapes = projection_shapes(base)
     tensors = {}
     for layer in range(base.num_layers):
         for proj in targets:
             fan_in, fan_out = shapes[proj]
-            parent = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{parent}.{proj}"
+            key = f"base_model.model.model.layers.{layer}.{parents[proj]}.{proj}"
             a = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
             # The update B·A·x is scaled by alpha / rank on use: undo that, then aim for
             # |B·A·x| ≈ strength · |x|.

@@ -5,12 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
-
 
 @dataclass(slots=True)
 class ModelConfig:
-    arch: str
+    arch: str  # the HF model_type (`classes.MODEL_CLASSES` says which class serves it)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -22,13 +20,9 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # the config asks for q/k/v biases (some architectures always have them)
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(
-                f"unsupported architecture {self.arch!r}; supported: {SUPPORTED_ARCHS}"
-            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
 
@@ -49,7 +43,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
         )
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:

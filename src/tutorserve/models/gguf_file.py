@@ -17,6 +17,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as FastTokenizer
 from tqdm import tqdm
 
+from tutorserve.models.classes import model_class
 from tutorserve.models.config import ModelConfig
 from tutorserve.models.tokenizer import Tokenizer
 
@@ -96,7 +97,7 @@ class GGUFModel:
             "rms_norm_eps": self._num(f"{a}.attention.layer_norm_rms_epsilon"),
             "max_position_embeddings": int(self._num(f"{a}.context_length")),
             "tie_word_embeddings": "output.weight" not in names,
-            "attention_bias": a == "qwen2",
+            "attention_bias": False,  # an architecture with biases declares them
         }
 
     def _check_tensor_sizes(self) -> None:
@@ -107,11 +108,12 @@ class GGUFModel:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config
+        permuted = model_class(cfg.arch).arch.gguf_permuted_qk
         for t in tqdm(self.reader.tensors, desc=f"loading {self.path.name}", unit="tensor"):
             name = _hf_name(t.name)
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
             arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-            if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
                 arr = _unpermute(arr, heads)
             if not (arr.flags.writeable and arr.flags.c_contiguous):

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from tutorserve.models.classes import model_class
 from tutorserve.models.config import ModelConfig
 from tutorserve.models.gguf_file import GGUFModel
 from tutorserve.models.llama import LlamaForCausalLM
@@ -30,7 +31,7 @@ def load_model(
         config, tensors, tokenizer = gg.config, gg.tensors(), gg.tokenizer()
     else:
         config, tensors, tokenizer = _hf_dir(path)
-    net = LlamaForCausalLM(config)
+    net = model_class(config.arch)(config)
     load_weights(net, tensors)
     net = net.to(device=device, dtype=dtype).eval()
     log.info(

@@ -11,6 +11,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tutorserve.models.arch import Architecture
+from tutorserve.models.classes import MODEL_CLASSES
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -43,8 +46,9 @@ class SynthSpec:
 
 
 def synth_model(out: str | Path, spec: SynthSpec) -> Path:
-    if spec.arch not in ("llama", "qwen2"):
-        raise ValueError(f"--arch must be llama or qwen2, got {spec.arch!r}")
+    if spec.arch not in MODEL_CLASSES:
+        raise ValueError(f"--arch must be one of {', '.join(MODEL_CLASSES)}, got {spec.arch!r}")
+    arch = MODEL_CLASSES[spec.arch].arch
     if spec.hidden % spec.heads or spec.heads % spec.kv_heads:
         raise ValueError("hidden must be divisible by heads, and heads by kv-heads")
     if spec.vocab < 256 + len(SPECIAL_TOKENS) + 16:
@@ -57,7 +61,7 @@ def synth_model(out: str | Path, spec: SynthSpec) -> Path:
     eos = tok.token_to_id("<|im_end|>")
     bos = tok.token_to_id("<|im_start|>")
     config = {
-        "architectures": ["LlamaForCausalLM" if spec.arch == "llama" else "Qwen2ForCausalLM"],
+        "architectures": [MODEL_CLASSES[spec.arch].__name__],  # our class names are HF's
         "model_type": spec.arch,
         "hidden_size": spec.hidden,
         "intermediate_size": inter,
@@ -75,7 +79,7 @@ def synth_model(out: str | Path, spec: SynthSpec) -> Path:
         "eos_token_id": eos,
         "torch_dtype": "float32",
     }
-    if spec.arch == "llama":
+    if not arch.qkv_bias:
         config |= {"attention_bias": False, "mlp_bias": False}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(
@@ -95,7 +99,8 @@ def synth_model(out: str | Path, spec: SynthSpec) -> Path:
             indent=2,
         )
     )
-    save_file(_weights(spec, inter), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = _weights(spec, arch, inter)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -113,7 +118,7 @@ def _train_tokenizer(vocab: int) -> Tokenizer:
     return tok
 
 
-def _weights(spec: SynthSpec, inter: int) -> dict[str, torch.Tensor]:
+def _weights(spec: SynthSpec, arch: Architecture, inter: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(spec.seed)
     head_dim = spec.hidden // spec.heads
     q, kv, h = spec.heads * head_dim, spec.kv_heads * head_dim, spec.hidden
@@ -128,10 +133,13 @@ def _weights(spec: SynthSpec, inter: int) -> dict[str, torch.Tensor]:
         w[p + "self_attn.k_proj.weight"] = rand(kv, h)
         w[p + "self_attn.v_proj.weight"] = rand(kv, h)
         w[p + "self_attn.o_proj.weight"] = rand(h, q)
-        if spec.arch == "qwen2":
+        if arch.qkv_bias:
             w[p + "self_attn.q_proj.bias"] = rand(q)
             w[p + "self_attn.k_proj.bias"] = rand(kv)
             w[p + "self_attn.v_proj.bias"] = rand(kv)
+        if arch.qk_norm:
+            w[p + "self_attn.q_norm.weight"] = 1.0 + rand(head_dim)
+            w[p + "self_attn.k_norm.weight"] = 1.0 + rand(head_dim)
         w[p + "mlp.gate_proj.weight"] = rand(inter, h)
         w[p + "mlp.up_proj.weight"] = rand(inter, h)
         w[p + "mlp.down_proj.weight"] = rand(h, inter)

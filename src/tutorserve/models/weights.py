@@ -8,17 +8,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tutorserve.models.arch import Architecture
 from tutorserve.models.config import ModelConfig
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
-# HF module → (our fused module, shard index within it)
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
 _TOP = {
     "model.embed_tokens.weight": "embed_tokens.weight",
     "model.norm.weight": "norm.weight",
@@ -27,13 +20,18 @@ _TOP = {
 
 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load HF-named tensors into `model`; every parameter must be filled exactly once."""
+    """Load HF-named tensors into `model`; every parameter must be filled exactly once. Which
+    HF projections are packed into which of our linears, the model's class declares."""
     cfg: ModelConfig = model.config  # type: ignore[assignment]
+    arch: Architecture = model.arch  # type: ignore[assignment]
     params = dict(model.named_parameters(remove_duplicate=False))
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shard_sizes = {
-        "self_attn.qkv_proj": [q, kv, kv],
-        "mlp.gate_up_proj": [cfg.intermediate_size] * 2,
+    packed = {fused: parts for fused, parts in arch.packed(cfg).items() if len(parts) > 1}
+    shard_sizes = {fused: [size for _, size in parts] for fused, parts in packed.items()}
+    # HF module → (our fused module, shard index within it)
+    fused_of = {
+        f"{p.parent}.{p.name}": (f"{p.parent}.{p.module}", p.shard)
+        for p in arch.projections
+        if f"{p.parent}.{p.module}" in packed
     }
     tied = cfg.tie_word_embeddings
     wanted = {(n, None) for n in params if not (tied and n == "lm_head.weight")}
@@ -43,7 +41,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     for name, tensor in tensors:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
-        target, fused, shard = _map_name(name)
+        target, fused, shard = _map_name(name, fused_of)
         if target not in params:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")
         dest = params[target].data
@@ -61,14 +59,16 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:8])}")
 
 
-def _map_name(name: str) -> tuple[str, str | None, int | None]:
+def _map_name(
+    name: str, fused_of: dict[str, tuple[str, int]]
+) -> tuple[str, str | None, int | None]:
     if name in _TOP:
         return _TOP[name], None, None
     m = _LAYER.fullmatch(name)
     if not m:
         return name, None, None
     idx, module, kind = m.groups()
-    if module in _FUSED:
-        fused, shard = _FUSED[module]
+    if module in fused_of:
+        fused, shard = fused_of[module]
         return f"layers.{idx}.{fused}.{kind}", fused, shard
     return f"layers.{idx}.{module}.{kind}", None, None
