@@ -381,6 +381,11 @@ def make_policy_scheduler(policy, max_bypass=32, budget=64):
     return Scheduler(cfg, kv), kv
 
 
+def test_an_unknown_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match="scheduling must be one of cache-aware, fcfs, got 'lifo'"):
+        make_policy_scheduler("lifo")
+
+
 @pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
 def test_cache_aware_admits_cached_course_students_first(policy):
     sched, kv = make_policy_scheduler(policy, budget=20)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tutorserve.engine.policy import POLICIES
 from tutorserve.models.classes import MODEL_CLASSES
 from tutorserve.models.registry import DEFAULT_MODEL
 from tutorserve.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--scheduling",
         default="cache-aware",
-        choices=["cache-aware", "fcfs"],
+        choices=list(POLICIES),
         help="admission order within a priority",
     )
     g.add_argument("--seed", type=int, default=0)

@@ -21,8 +21,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    # Admission order within a priority: "fcfs", or "cache-aware" (longest cached prefix first,
-    # each request passed over at most max_bypass times).
+    # Admission order within a priority, by policy name (engine/policy.py): "cache-aware"
+    # (longest cached prefix first, each request passed over at most max_bypass times), "fcfs".
     scheduling: str = "cache-aware"
     max_bypass: int = 32
     seed: int = 0
@@ -59,8 +59,6 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes must be positive")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.scheduling not in ("fcfs", "cache-aware"):
-            raise ValueError(f"scheduling must be fcfs or cache-aware, got {self.scheduling!r}")
         if self.kv_ram_bytes < 0 or self.kv_disk_bytes < 0:
             raise ValueError("kv_ram_bytes and kv_disk_bytes must be >= 0 (0 turns a tier off)")
         if self.lora_modules and not self.enable_lora:

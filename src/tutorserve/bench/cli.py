@@ -15,6 +15,7 @@ from typing import Any
 
 from tutorserve.bench.systems import SYSTEMS, host_dtype
 from tutorserve.config import EngineConfig
+from tutorserve.engine.policy import POLICIES
 from tutorserve.models.registry import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--scheduling", default="cache-aware", choices=["cache-aware", "fcfs"])
+    p.add_argument("--scheduling", default="cache-aware", choices=list(POLICIES))
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG results")
     p.set_defaults(func=cmd_offline)

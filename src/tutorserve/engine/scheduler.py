@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 
 from tutorserve.config import EngineConfig
 from tutorserve.engine.kv_cache_manager import KVCacheManager
+from tutorserve.engine.policy import policy_named
 from tutorserve.engine.sequence import Sequence, SequenceStatus
 from tutorserve.lora.manager import LoRAManager
 
 log = logging.getLogger(__name__)
-_LPM_WINDOW = 64  # waiting requests ranked per admission; bounds the cost under overload
+_LPM_WINDOW = 64  # waiting requests ordered per admission; bounds the cost under overload
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.lora = lora
+        self.policy = policy_named(config.scheduling)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -98,28 +100,9 @@ class Scheduler:
         )
 
     def _candidates(self) -> list[tuple[Sequence, list[int] | None]]:
-        """Waiting requests in admission order, with their prefix-cache hits where the order
-        needed them (None: look them up on admission).
-
-        FCFS within a priority, or cache-aware: among the first few waiting requests of the best
-        priority, longest cached prefix first (SGLang's LPM), so the students of a course whose
-        prompt was just computed start before a new course's long prefill. A request bypassed
-        `max_bypass` times goes first, which bounds how long anyone can be passed over.
-        """
-        window = self.waiting[:_LPM_WINDOW]
-        if self.config.scheduling == "fcfs":
-            return [(seq, None) for seq in window]
-        ranked = [(seq, self.kv.match_prefix(seq)) for seq in window]
-        limit = self.config.max_bypass
-        ranked.sort(
-            key=lambda c: (
-                c[0].priority,
-                c[0].num_bypassed < limit,
-                -len(c[1]),
-                c[0].arrival_order,
-            )
-        )
-        return ranked
+        """The first waiting requests in the policy's admission order (`policy.py`), with their
+        prefix-cache hits where the order needed them (None: look them up on admission)."""
+        return self.policy.order(self.waiting[:_LPM_WINDOW], self.kv, self.config.max_bypass)
 
     def _admit(self, picked: list[tuple[Sequence, int]], budget: int) -> int:
         bs = self.kv.block_size
@@ -152,7 +135,7 @@ class Scheduler:
                 # bypass as others go ahead) until it has been passed over `max_bypass` times;
                 # then admit nobody else, so slots drain and it goes next (vLLM's max-loras
                 # admission can starve it).
-                if self.config.scheduling == "fcfs" or seq.num_bypassed >= self.config.max_bypass:
+                if not self.policy.passes_over or seq.num_bypassed >= self.config.max_bypass:
                     break
                 i += 1
                 continue
@@ -198,7 +181,7 @@ class Scheduler:
     def _inflight_blocks(self) -> set[bytes]:
         """Hashes of prompt blocks that running requests are still prefilling (their prompts
         were hashed when they were matched against the cache on admission)."""
-        if self.config.scheduling == "fcfs" or not self.kv.enable_prefix_caching:
+        if not self.policy.passes_over or not self.kv.enable_prefix_caching:
             return set()
         bs, out = self.kv.block_size, set()
         for seq in self.running:
@@ -217,7 +200,7 @@ class Scheduler:
     def _count_bypass(self, admitted: Sequence, deferred: set[int]) -> bool:
         """Charge every earlier arrival still waiting, except those deferred for their own
         prefix's sake; True if one just reached the limit."""
-        if self.config.scheduling == "fcfs":
+        if not self.policy.passes_over:
             return False
         key, limit, aged = admitted.sort_key(), self.config.max_bypass, False
         for seq in self.waiting:
