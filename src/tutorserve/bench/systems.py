@@ -3,7 +3,7 @@
 Ours serves the GGUF directly; vLLM and transformers load a HF export of it; llama.cpp's
 `llama-server` serves the GGUF file itself (Q4_1, so it computes on 4-bit weights) and a bf16 GGUF
 converted from the HF export, for a like-for-like row. Peers live in their own venvs or build
-folders under the cache directory, installed by the scripts in `bench/peers/`.
+folders under the cache directory, installed by the scripts in `peers/` beside this file.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from tutorserve.bench.offline import PEERS_DIR, cache_dir, vllm_python
+from tutorserve.bench.offline import PEERS_DIR, cache_dir, vllm_all_cores_env, vllm_python
 from tutorserve.engine.device import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,6 @@ SYSTEMS = (
     "transformers",
     "transformers-batch8",
 )
-_VLLM_ALL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 @dataclass(slots=True)
@@ -95,7 +94,7 @@ def make_system(
                 "8192", "--enable-prefix-caching", "--max-num-seqs", n, *common]  # fmt: skip
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_cache_gb)))}
         if name == "vllm-allcores":
-            env |= _VLLM_ALL_CORES
+            env |= vllm_all_cores_env()
         missing = None if py.exists() else f"run {PEERS_DIR / 'install_vllm_cpu.sh'}"
         return System(name, argv, env, missing)
     if name in ("llama-server", "llama-server-bf16"):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Convert a Hugging Face model directory to a bf16 GGUF for llama-server, with the converter of
-# the llama.cpp tree that bench/peers/install_llama_server.sh unpacked (its convert_hf_to_gguf.py
+# the llama.cpp tree that src/tutorserve/bench/peers/install_llama_server.sh unpacked (its convert_hf_to_gguf.py
 # and its own gguf-py, which must match that tree, hence PYTHONPATH).
 #
-# Usage: bench/peers/llama_bf16_gguf.sh HF_DIR OUT.gguf
+# Usage: src/tutorserve/bench/peers/llama_bf16_gguf.sh HF_DIR OUT.gguf
 # Idempotent: does nothing if OUT exists. Writes OUT.tmp and renames it into place.
 # Env: TUTORSERVE_CACHE, PYTHON (needs torch, numpy, safetensors, transformers; default: the
 #      repo's .venv, else python3.11).
@@ -18,7 +18,7 @@ OUT="$2"
 CACHE="${TUTORSERVE_CACHE:-$HOME/.cache/tutorserve}"
 SRC="$CACHE/peers/llama.cpp/src"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../.." && pwd)"
+REPO="$(cd "$HERE/../../../.." && pwd)"  # the checkout this file sits in (src/tutorserve/bench/peers)
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3.11; fi
 fi
@@ -31,7 +31,7 @@ if [[ -s "$OUT" ]]; then
 fi
 [[ -f "$HF_DIR/config.json" ]] || { log "$HF_DIR has no config.json"; exit 1; }
 [[ -f "$SRC/convert_hf_to_gguf.py" ]] || {
-    log "no $SRC/convert_hf_to_gguf.py: run bench/peers/install_llama_server.sh first"
+    log "no $SRC/convert_hf_to_gguf.py: run src/tutorserve/bench/peers/install_llama_server.sh first"
     exit 1
 }
 

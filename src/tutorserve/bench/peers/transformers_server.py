@@ -11,7 +11,8 @@ Serves `GET /health`, `GET /v1/models` and `POST /v1/completions` (a string `pro
 `max_tokens`, `temperature` (0: greedy), `top_p`, `stream`, `stream_options.include_usage` and
 vLLM's `ignore_eos`). Client disconnects are ignored: an abandoned request runs to its end.
 Run with the project venv's python:
-    python bench/peers/transformers_server.py --model HF_DIR --served-model-name NAME --port P
+    python src/tutorserve/bench/peers/transformers_server.py --model HF_DIR \
+        --served-model-name NAME --port P
 """
 
 from __future__ import annotations

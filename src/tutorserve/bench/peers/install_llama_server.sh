@@ -10,10 +10,10 @@
 #             $CACHE/peers/llama.cpp/src   (the vendor tree: convert_hf_to_gguf.py, gguf-py)
 # Idempotent: if the binary exists and runs, it does nothing. Last line printed: the binary's path.
 #
-# Usage: bench/peers/install_llama_server.sh [--bf16-gguf]
+# Usage: src/tutorserve/bench/peers/install_llama_server.sh [--bf16-gguf]
 #   --bf16-gguf  also write $CACHE/peers/llama.cpp/smollm2-135m-instruct-bf16.gguf (the default
 #                model exported to a HF dir by tutorserve.bench.hf_export, then converted to bf16
-#                by bench/peers/llama_bf16_gguf.sh) for a like-for-like comparison with our engine.
+#                by src/tutorserve/bench/peers/llama_bf16_gguf.sh) for a like-for-like comparison with our engine.
 # Env: TUTORSERVE_CACHE, LLAMA_CPP_PYTHON_VERSION (default 0.3.36), PYTHON (a python3.11 with pip;
 #      default: the repo's .venv, else python3.11), LLAMA_BUILD_JOBS (default 2).
 # Build: ~6-11 min on 2 cores (665 s measured, llama-cpp-python 0.3.36, with other load on the box).
@@ -27,7 +27,7 @@ BIN="$PEER/bin/llama-server"
 SRC="$PEER/src"
 JOBS="${LLAMA_BUILD_JOBS:-2}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../.." && pwd)"
+REPO="$(cd "$HERE/../../../.." && pwd)"  # the checkout this file sits in (src/tutorserve/bench/peers)
 
 if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3.11; fi
