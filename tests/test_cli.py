@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args, stdin=None):
     return subprocess.run(
@@ -132,3 +134,34 @@ def test_plot_learner_draws_mastery_from_the_store(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = run("tutor", "plot-learner", "bob", "--tutor-db", url)
     assert r.returncode == 2 and "no learner 'bob'" in r.stderr
+
+
+def test_engine_options_are_declared_once_and_round_trip_through_the_cli(monkeypatch):
+    """Every CLI engine flag comes from EngineConfig's declaration: defaults match the API's
+    (but for the disk tier, on by default on the CLI), GiB become bytes, --no-prefix-caching
+    turns caching off, --lora NAME=PATH builds the adapter map."""
+    import argparse
+    import dataclasses
+
+    from tutorserve.config import EngineConfig, add_engine_args, engine_options
+
+    monkeypatch.setenv("TUTORSERVE_KV_DIR", "/tmp/kv-here")
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    defaults = engine_options(p.parse_args([]))
+    api = {f.name: getattr(EngineConfig(), f.name) for f in dataclasses.fields(EngineConfig)}
+    cli_only = {"kv_disk_bytes": 4 << 30, "kv_disk_dir": "/tmp/kv-here"}
+    assert defaults == {k: v for k, v in api.items() if k in defaults} | cli_only
+    assert "max_bypass" not in defaults  # declared without a flag
+    opts = engine_options(p.parse_args([
+        "--kv-cache-gb", "0.5", "--no-prefix-caching", "--lora", "a=/x", "--lora", "b=/y",
+        "--dtype", "float32", "--max-num-seqs", "3",
+    ]))  # fmt: skip
+    assert opts["kv_cache_bytes"] == 1 << 29 and opts["enable_prefix_caching"] is False
+    assert opts["lora_modules"] == {"a": "/x", "b": "/y"} and opts["max_num_seqs"] == 3
+    EngineConfig.from_kwargs(**opts)  # every option the CLI gives is one the engine takes
+    with pytest.raises(ValueError, match="--lora takes NAME=PATH"):
+        engine_options(p.parse_args(["--lora", "nopath"]))
+    only = argparse.ArgumentParser()
+    add_engine_args(only, only=("max_num_seqs",))
+    assert engine_options(only.parse_args([])) == {"max_num_seqs": 64}

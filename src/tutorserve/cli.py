@@ -10,66 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tutorserve.engine.policy import POLICIES
+from tutorserve.config import add_engine_args, engine_options
 from tutorserve.models.classes import MODEL_CLASSES
 from tutorserve.models.registry import DEFAULT_MODEL
 from tutorserve.sampling_params import SamplingParams
 
 log = logging.getLogger("tutorserve")
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL, help="registered name, HF dir or .gguf file")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="KV storage dtype (auto: the model's; on a CPU without native bf16, bf16 storage)",
-    )
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV budget in blocks")
-    g.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV budget in GiB")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument(
-        "--scheduling",
-        default="cache-aware",
-        choices=list(POLICIES),
-        help="admission order within a priority",
-    )
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-threads", type=int, default=None)
-    g = p.add_argument_group("KV tiers (0 turns a tier off)")
-    g.add_argument("--kv-ram-gb", type=float, default=2.0, help="host-RAM tier budget in GiB")
-    g.add_argument("--kv-disk-gb", type=float, default=4.0, help="disk tier budget in GiB")
-    g.add_argument(
-        "--kv-disk-dir",
-        default=os.environ.get("TUTORSERVE_KV_DIR", "~/.cache/tutorserve/kv"),
-        help="disk tier folder, kept across restarts (env TUTORSERVE_KV_DIR)",
-    )
-    g.add_argument(
-        "--session-ttl",
-        type=float,
-        default=3600.0,
-        help="seconds a session's KV is kept ahead of other cached KV",
-    )
-    g = p.add_argument_group("LoRA adapters")
-    g.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters")
-    g.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="an adapter to load at start (repeatable; implies --enable-lora)",
-    )
-    g.add_argument("--max-loras", type=int, default=8, help="adapters usable in one step")
-    g.add_argument("--max-lora-rank", type=int, default=16)
-    g.add_argument("--max-cpu-loras", type=int, default=64, help="adapters kept in host RAM")
 
 
 def add_tutor_args(p: argparse.ArgumentParser) -> None:
@@ -106,45 +52,6 @@ def add_tutor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--otel-endpoint", default=None, help="OTLP/HTTP endpoint (…/v1/traces)")
 
 
-def engine_options(a: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "dtype": a.dtype,
-        "kv_cache_dtype": a.kv_cache_dtype,
-        "device": a.device,
-        "block_size": a.block_size,
-        "num_kv_blocks": a.num_kv_blocks,
-        "kv_cache_bytes": int(a.kv_cache_gb * 2**30),
-        "max_model_len": a.max_model_len,
-        "max_num_seqs": a.max_num_seqs,
-        "max_num_batched_tokens": a.max_num_batched_tokens,
-        "enable_prefix_caching": not a.no_prefix_caching,
-        "scheduling": a.scheduling,
-        "seed": a.seed,
-        "num_threads": a.num_threads,
-        "kv_ram_bytes": int(a.kv_ram_gb * 2**30),
-        "kv_disk_bytes": int(a.kv_disk_gb * 2**30),
-        "kv_disk_dir": a.kv_disk_dir,
-        "session_ttl": a.session_ttl,
-        "enable_lora": a.enable_lora,
-        "lora_modules": _lora_modules(a.lora),
-        "max_loras": a.max_loras,
-        "max_lora_rank": a.max_lora_rank,
-        "max_cpu_loras": a.max_cpu_loras,
-    }
-
-
-def _lora_modules(specs: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora takes NAME=PATH, got {spec!r}")
-        if name in out:
-            raise ValueError(f"--lora {name} is given twice")
-        out[name] = path
-    return out
-
-
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -178,7 +85,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from tutorserve import LLM
 
     params = sampling_params(a)
-    llm = LLM(a.model, **engine_options(a))
+    llm = LLM(**engine_options(a))
     prompt = a.prompt
     if not a.raw and llm.tokenizer.chat_template:
         prompt = llm.render_chat([{"role": "user", "content": a.prompt}])
@@ -193,7 +100,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from tutorserve import LLM
 
     params = sampling_params(a)
-    llm = LLM(a.model, **engine_options(a))
+    llm = LLM(**engine_options(a))
     messages: list[dict[str, str]] = []
     if a.system:
         messages.append({"role": "system", "content": a.system})
@@ -231,7 +138,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     api_key = a.api_key or os.environ.get("TUTORSERVE_API_KEY") or None
     make_tutor = _tutor_service(a)
-    engine = LLMEngine(EngineConfig.from_kwargs(model=a.model, **engine_options(a)))
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(a)))
     server = AsyncEngine(
         engine, max_waiting=a.max_waiting, max_requests_per_user=a.max_requests_per_user
     )

@@ -1,44 +1,118 @@
-"""Engine configuration: one slotted dataclass; the LLM facade filters **kwargs through it."""
+"""Engine configuration: one slotted dataclass; the LLM facade filters **kwargs through it.
+
+Each option is declared once, here: its default, its check, and how it appears on the command
+line (`Flag` in the field's metadata), from which `add_engine_args` builds the CLI's arguments
+for `serve`, `generate`, `chat` and the benchmarks, and `engine_options` reads them back.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+GIB = 2**30
+_SAME = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """How an option appears on the command line (default flag: --field-name)."""
+
+    help: str
+    group: str = "engine"
+    flag: str | None = None
+    type: Callable[[str], Any] | None = None  # default: the type of the option's default
+    scale: int = 1  # option value = CLI value × scale (GiB on the CLI, bytes here)
+    choices: tuple[str, ...] | None = None
+    cli_default: Any = _SAME  # the CLI's default, where it differs from the API's (a callable
+    # is called when the parser is built: an environment variable, say)
+    negate: bool = False  # a boolean given as --no-FLAG, which turns it off
+    parse: Callable[[list[str]], Any] | None = None  # a repeatable flag's values → the option
+    metavar: str | None = None
+
+
+def _option(default: Any, flag: Flag) -> Any:
+    return dataclasses.field(default=default, metadata={"cli": flag})
+
+
+def _lora_modules(specs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora takes NAME=PATH, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--lora {name} is given twice")
+        out[name] = path
+    return out
+
+
+_TIERS, _LORA = "KV tiers (0 turns a tier off)", "LoRA adapters"
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    # The KV cache's storage dtype; auto: the model's (see engine/device.py for CPUs).
-    kv_cache_dtype: str = "auto"
-    device: str = "auto"  # auto | cpu | cuda
-    block_size: int = 16
+    model: str = _option(
+        "smollm2-135m-instruct", Flag("registered name, HF dir or .gguf file", type=str)
+    )
+    dtype: str = _option("auto", Flag("the model's dtype (auto: see README)", choices=DTYPES))
+    kv_cache_dtype: str = _option(
+        "auto",
+        Flag("KV storage dtype (auto: the model's; on a CPU without native bf16, bf16 storage)",
+             choices=DTYPES),
+    )  # fmt: skip
+    device: str = _option("auto", Flag("where the model runs", choices=DEVICES))
+    block_size: int = _option(16, Flag("tokens per KV block (a power of two)"))
     # KV budget: an explicit block count wins over a byte budget.
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int = 1 << 30
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    # Admission order within a priority, by policy name (engine/policy.py): "cache-aware"
-    # (longest cached prefix first, each request passed over at most max_bypass times), "fcfs".
-    scheduling: str = "cache-aware"
-    max_bypass: int = 32
-    seed: int = 0
-    num_threads: int | None = None
+    num_kv_blocks: int | None = _option(None, Flag("KV budget in blocks", type=int))
+    kv_cache_bytes: int = _option(
+        1 * GIB, Flag("KV budget in GiB", flag="--kv-cache-gb", type=float, scale=GIB)
+    )
+    max_model_len: int | None = _option(None, Flag("longest prompt + output", type=int))
+    max_num_seqs: int = _option(64, Flag("requests in the running batch"))
+    max_num_batched_tokens: int = _option(2048, Flag("tokens computed per step"))
+    enable_prefix_caching: bool = _option(
+        True, Flag("reuse cached prompt blocks", flag="--prefix-caching", negate=True)
+    )
+    # Admission order within a priority, by policy name (engine/policy.py: "cache-aware",
+    # "fcfs"), which the scheduler checks.
+    scheduling: str = _option("cache-aware", Flag("admission order within a priority"))
+    max_bypass: int = 32  # times a request may be passed over by a later arrival
+    seed: int = _option(0, Flag("sampling seed for requests without one"))
+    num_threads: int | None = _option(None, Flag("CPU threads (default: PyTorch's)", type=int))
     # KV tiers below the pool (0 turns a tier off). The disk tier outlives the process; the
     # offline API leaves it off by default, the CLI turns it on.
-    kv_ram_bytes: int = 2 << 30
-    kv_disk_bytes: int = 0
-    kv_disk_dir: str = "~/.cache/tutorserve/kv"
-    session_ttl: float = 3600.0  # seconds a session's blocks are kept ahead of other cached KV
+    kv_ram_bytes: int = _option(
+        2 * GIB,
+        Flag("host-RAM tier budget in GiB", _TIERS, "--kv-ram-gb", float, GIB),
+    )
+    kv_disk_bytes: int = _option(
+        0, Flag("disk tier budget in GiB", _TIERS, "--kv-disk-gb", float, GIB, cli_default=4.0)
+    )
+    kv_disk_dir: str = _option(
+        "~/.cache/tutorserve/kv",
+        Flag("disk tier folder, kept across restarts (env TUTORSERVE_KV_DIR)", _TIERS,
+             cli_default=lambda: os.environ.get("TUTORSERVE_KV_DIR", "~/.cache/tutorserve/kv")),
+    )  # fmt: skip
+    session_ttl: float = _option(
+        3600.0, Flag("seconds a session's KV is kept ahead of other cached KV", _TIERS)
+    )
     # Multi-LoRA: adapters by name → PEFT folder, loaded at start; more can be loaded later.
-    enable_lora: bool = False
-    lora_modules: dict[str, str] = dataclasses.field(default_factory=dict)
-    max_loras: int = 8  # adapters resident in compute slots (usable in one step)
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 64  # adapters kept in host RAM; the others are reread from disk
+    enable_lora: bool = _option(False, Flag("serve PEFT LoRA adapters", _LORA))
+    lora_modules: dict[str, str] = dataclasses.field(
+        default_factory=dict,
+        metadata={"cli": Flag("an adapter to load at start (repeatable; implies --enable-lora)",
+                              _LORA, flag="--lora", parse=_lora_modules, metavar="NAME=PATH")},
+    )  # fmt: skip
+    max_loras: int = _option(8, Flag("adapters in compute slots (usable in one step)", _LORA))
+    max_lora_rank: int = _option(16, Flag("largest adapter rank", _LORA))
+    max_cpu_loras: int = _option(64, Flag("adapters kept in host RAM", _LORA))
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -73,9 +147,52 @@ class EngineConfig:
             raise ValueError("session_ttl must be positive")
         if self.max_bypass < 0:
             raise ValueError("max_bypass must be >= 0")
-        for name in ("dtype", "kv_cache_dtype"):
-            value = getattr(self, name)
-            if value not in ("auto", "float32", "bfloat16", "float16"):
-                raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, got {value}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device}")
+        for name, allowed in (("dtype", DTYPES), ("kv_cache_dtype", DTYPES), ("device", DEVICES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+
+
+def add_engine_args(parser: argparse.ArgumentParser, only: Iterable[str] | None = None) -> None:
+    """The declared options (or `only` these) as flags of `parser`, in their groups."""
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        cli: Flag | None = f.metadata.get("cli")
+        if cli is None or (only is not None and f.name not in only):
+            continue
+        if cli.group not in groups:
+            groups[cli.group] = parser.add_argument_group(cli.group)
+        group, flag = groups[cli.group], cli.flag or "--" + f.name.replace("_", "-")
+        if cli.negate:
+            flag = "--no-" + flag.removeprefix("--")
+            group.add_argument(flag, dest=f.name, action="store_false", help=f"don't {cli.help}")
+        elif cli.parse is not None:
+            group.add_argument(flag, dest=f.name, action="append", default=[],
+                               metavar=cli.metavar, help=cli.help)  # fmt: skip
+        elif isinstance(f.default, bool):
+            group.add_argument(flag, dest=f.name, action="store_true", help=cli.help)
+        else:
+            default = f.default if cli.scale == 1 else f.default / cli.scale
+            default = default if cli.cli_default is _SAME else cli.cli_default
+            group.add_argument(
+                flag, dest=f.name, type=cli.type or type(f.default), choices=cli.choices,
+                default=default() if callable(default) else default, help=cli.help,
+                metavar=None if cli.choices else flag[2:].replace("-", "_").upper(),
+            )  # fmt: skip
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The declared options that `args` holds, as `EngineConfig` keyword arguments."""
+    out = {}
+    for f in dataclasses.fields(EngineConfig):
+        cli: Flag | None = f.metadata.get("cli")
+        if cli is None or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if cli.parse is not None:
+            value = cli.parse(value)
+        elif cli.scale != 1:
+            value = int(value * cli.scale)
+        out[f.name] = value
+    return out

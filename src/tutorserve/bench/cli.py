@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tutorserve.bench.systems import SYSTEMS, host_dtype
-from tutorserve.config import EngineConfig
-from tutorserve.engine.policy import POLICIES
+from tutorserve.config import EngineConfig, add_engine_args, engine_options
 from tutorserve.models.registry import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
@@ -28,6 +27,8 @@ ALL_SYSTEMS = (
     "vllm-allcores",
 )
 WARM = "tutorserve (prefix cache, courses warm)"
+# Engine options `bench offline` passes to our engine (vLLM gets the same batch limit).
+_OFFLINE_ENGINE_OPTIONS = ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "scheduling")
 
 
 # Every system of a benchmark computes in one dtype; auto is the host's fastest (`host_dtype`).
@@ -54,10 +55,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", **DTYPE_ARG)
-    p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--scheduling", default="cache-aware", choices=list(POLICIES))
+    add_engine_args(p, only=_OFFLINE_ENGINE_OPTIONS)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG results")
     p.set_defaults(func=cmd_offline)
@@ -196,13 +194,7 @@ def cmd_offline(a: argparse.Namespace) -> int:
     )
     warm = edu_shared_prefix(tok, seed=0, **shape)
     runs = [edu_shared_prefix(tok, seed=k + 1, **shape) for k in range(a.repeats)]
-    engine_opts = dict(
-        dtype=a.dtype,
-        kv_cache_bytes=int(a.kv_cache_gb * 2**30),
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        scheduling=a.scheduling,
-    )
+    engine_opts = engine_options(a) | {"dtype": a.dtype}
     results: dict[str, list[offline.SystemResult]] = {}
     peers = {"transformers", "vllm", "vllm-allcores"} & set(systems)
     hf_dir = _hf_dir(a.model, resolve(a.model)) if peers else ""
