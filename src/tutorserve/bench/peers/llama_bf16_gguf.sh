@@ -15,13 +15,8 @@ if [[ $# -ne 2 ]]; then
 fi
 HF_DIR="$1"
 OUT="$2"
-CACHE="${TUTORSERVE_CACHE:-$HOME/.cache/tutorserve}"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 SRC="$CACHE/peers/llama.cpp/src"
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/../../../.." && pwd)"  # the checkout this file sits in (src/tutorserve/bench/peers)
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x "$REPO/.venv/bin/python" ]]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3.11; fi
-fi
 
 log() { echo "[llama_bf16_gguf] $*" >&2; }
 
