@@ -155,12 +155,15 @@ class EngineConfig:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, only: Iterable[str] | None = None) -> None:
-    """The declared options (or `only` these) as flags of `parser`, in their groups."""
+    """The declared options (or `only` these) as flags of `parser`, in their groups; the parser
+    remembers which, for `engine_options`."""
     groups: dict[str, Any] = {}
+    added = []
     for f in dataclasses.fields(EngineConfig):
         cli: Flag | None = f.metadata.get("cli")
         if cli is None or (only is not None and f.name not in only):
             continue
+        added.append(f.name)
         if cli.group not in groups:
             groups[cli.group] = parser.add_argument_group(cli.group)
         group, flag = groups[cli.group], cli.flag or "--" + f.name.replace("_", "-")
@@ -180,19 +183,20 @@ def add_engine_args(parser: argparse.ArgumentParser, only: Iterable[str] | None 
                 default=default() if callable(default) else default, help=cli.help,
                 metavar=None if cli.choices else flag[2:].replace("-", "_").upper(),
             )  # fmt: skip
+    parser.set_defaults(engine_fields=tuple(added))
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The declared options that `args` holds, as `EngineConfig` keyword arguments."""
+    """The options `add_engine_args` gave the parser, read from `args` as `EngineConfig`
+    keyword arguments."""
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     out = {}
-    for f in dataclasses.fields(EngineConfig):
-        cli: Flag | None = f.metadata.get("cli")
-        if cli is None or not hasattr(args, f.name):
-            continue
-        value = getattr(args, f.name)
+    for name in getattr(args, "engine_fields", ()):
+        cli: Flag = fields[name].metadata["cli"]
+        value = getattr(args, name)
         if cli.parse is not None:
             value = cli.parse(value)
         elif cli.scale != 1:
             value = int(value * cli.scale)
-        out[f.name] = value
+        out[name] = value
     return out

@@ -13,20 +13,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from tutorserve.bench.systems import SYSTEMS, host_dtype
+from tutorserve.bench.registry import OFFLINE, PEERS, SERVERS, OfflineRun
+from tutorserve.bench.systems import host_dtype
 from tutorserve.config import EngineConfig, add_engine_args, engine_options
 from tutorserve.models.registry import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
-ALL_SYSTEMS = (
-    "tutorserve",
-    "tutorserve-warm",
-    "tutorserve-nocache",
-    "transformers",
-    "vllm",
-    "vllm-allcores",
-)
-WARM = "tutorserve (prefix cache, courses warm)"
 # Engine options `bench offline` passes to our engine (vLLM gets the same batch limit).
 _OFFLINE_ENGINE_OPTIONS = ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "scheduling")
 
@@ -45,8 +37,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument(
         "--systems",
-        default=",".join(ALL_SYSTEMS),
-        help=f"comma-separated subset of {','.join(ALL_SYSTEMS)}",
+        default=",".join(OFFLINE),
+        help=f"comma-separated subset of {','.join(OFFLINE)}",
     )
     p.add_argument("--courses", type=int, default=8)
     p.add_argument("--students", type=int, default=8)
@@ -69,7 +61,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     p = bench.add_parser("compare", help="every available system on one workload, one by one")
     p.add_argument("--model", default=DEFAULT_MODEL, help="served by every system")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SERVERS), help=f"subset of {','.join(SERVERS)}")
     p.add_argument("--request-rates", default="0.5,1,2", help="comma-separated, req/s")
     p.add_argument("--max-num-seqs", type=int, default=32, help="server batch limit, every system")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool, every system")
@@ -133,45 +125,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_profile_decode)
 
 
-def _offline_repeat(
-    system: str,
-    a: argparse.Namespace,
-    tok: Any,
-    shape: dict[str, int],
-    hf_dir: str,
-    k: int,
-    timed: list[Any],
-    warm: list[Any],
-    engine_opts: dict[str, Any],
-) -> tuple[str, Any] | None:
-    """One system on repeat k of the offline workload → (table label, result); None if the
-    peer is not installed or failed."""
-    from tutorserve.bench import offline
-    from tutorserve.bench.workloads import edu_shared_prefix
-
-    if system == "tutorserve":
-        return "tutorserve (prefix cache)", offline.run_tutorserve(
-            system, a.model, timed, warm, **engine_opts
-        )
-    if system == "tutorserve-warm":
-        prime = edu_shared_prefix(
-            tok, seed=k + 1, question_seed=10_000 + k, **shape | {"students": 1}
-        )
-        return WARM, offline.run_tutorserve(system, a.model, timed, warm, prime, **engine_opts)
-    if system == "tutorserve-nocache":
-        return "tutorserve (no prefix cache)", offline.run_tutorserve(
-            system, a.model, timed, warm, enable_prefix_caching=False, **engine_opts
-        )
-    if system == "transformers":
-        res = offline.run_transformers(hf_dir, timed, warm, a.hf_batch_size, host_dtype(a.dtype))
-        return res.system, res
-    extra = ["--dtype", host_dtype(a.dtype)]
-    vres = offline.run_vllm(
-        hf_dir, timed, a.max_num_seqs, system == "vllm-allcores", extra_args=extra
-    )
-    return None if vres is None else (vres.system, vres)
-
-
 def cmd_offline(a: argparse.Namespace) -> int:
     from tutorserve.bench import offline, report
     from tutorserve.bench.workloads import edu_shared_prefix
@@ -179,7 +132,7 @@ def cmd_offline(a: argparse.Namespace) -> int:
     from tutorserve.models.registry import resolve
 
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(ALL_SYSTEMS)
+    unknown = set(systems) - set(OFFLINE)
     if unknown:
         raise ValueError(f"unknown system(s): {', '.join(sorted(unknown))}")
     if a.repeats < 1:
@@ -196,13 +149,18 @@ def cmd_offline(a: argparse.Namespace) -> int:
     runs = [edu_shared_prefix(tok, seed=k + 1, **shape) for k in range(a.repeats)]
     engine_opts = engine_options(a) | {"dtype": a.dtype}
     results: dict[str, list[offline.SystemResult]] = {}
-    peers = {"transformers", "vllm", "vllm-allcores"} & set(systems)
-    hf_dir = _hf_dir(a.model, resolve(a.model)) if peers else ""
+    hf_export = any(PEERS[s].hf_export for s in systems)
+    hf_dir = _hf_dir(a.model, resolve(a.model)) if hf_export else ""
     # Systems take turns, one repeat each, so that a busy spell on a shared box hits them alike.
     for k, timed in enumerate(runs):
+        # One earlier student per course, served just before the run that wants courses warm.
+        prime = edu_shared_prefix(tok, seed=k + 1, question_seed=10_000 + k,
+                                  **shape | {"students": 1})  # fmt: skip
+        run = OfflineRun(a.model, hf_dir, timed, warm, prime, engine_opts, a.max_num_seqs,
+                         a.hf_batch_size, host_dtype(a.dtype))  # fmt: skip
         for system in systems:
             log.info("benchmarking %s, repeat %d of %d", system, k + 1, a.repeats)
-            res = _offline_repeat(system, a, tok, shape, hf_dir, k, timed, warm, engine_opts)
+            res = PEERS[system].offline(run)  # type: ignore[misc]
             if res is not None:
                 results.setdefault(res[0], []).append(res[1])
     out = Path(a.out)
@@ -321,7 +279,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     from tutorserve.models.registry import resolve
 
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    if unknown := set(systems) - set(SYSTEMS):
+    if unknown := set(systems) - set(SERVERS):
         raise ValueError(f"unknown system(s): {', '.join(sorted(unknown))}")
     rates = [float(r) for r in a.request_rates.split(",")]
     kwargs = workload_kwargs(a)

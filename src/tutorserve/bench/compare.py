@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from tutorserve.bench.client import ClientConfig
+from tutorserve.bench.registry import make_system
 from tutorserve.bench.serving import run_benchmark
-from tutorserve.bench.systems import ModelFiles, RunningServer, host_dtype, make_system
+from tutorserve.bench.systems import ModelFiles, RunningServer, ServeSpec, host_dtype
 from tutorserve.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def run_compare(
 ) -> list[dict]:
     results = []
     for name in systems:
-        system = make_system(name, files, port, max_num_seqs, kv_cache_gb, dtype)
+        system = make_system(name, ServeSpec(files, port, max_num_seqs, kv_cache_gb, dtype))
         if system.missing:
             log.warning("skipping %s: not installed (%s)", name, system.missing)
             continue

@@ -1,4 +1,5 @@
-"""The servers `bench compare` runs, one at a time on 127.0.0.1, each on the same model.
+"""How `bench compare` starts each server (one at a time on 127.0.0.1, each on the same model;
+`registry.py` lists them) and waits for it.
 
 Ours serves the GGUF directly; vLLM and transformers load a HF export of it; llama.cpp's
 `llama-server` serves the GGUF file itself (Q4_1, so it computes on 4-bit weights) and a bf16 GGUF
@@ -26,16 +27,6 @@ from tutorserve.bench.offline import PEERS_DIR, cache_dir, vllm_all_cores_env, v
 from tutorserve.engine.device import resolve_dtype
 
 log = logging.getLogger(__name__)
-SYSTEMS = (
-    "tutorserve",
-    "tutorserve-notiers",
-    "vllm",
-    "vllm-allcores",
-    "llama-server",
-    "llama-server-bf16",
-    "transformers",
-    "transformers-batch8",
-)
 
 
 @dataclass(slots=True)
@@ -62,62 +53,72 @@ def bf16_gguf(model: str) -> Path:
     return cache_dir() / "peers" / "llama.cpp" / f"{model.replace('/', '_')}-bf16.gguf"
 
 
-def make_system(
-    name: str,
-    files: ModelFiles,
-    port: int,
-    max_num_seqs: int,
-    kv_cache_gb: float = 1.0,
-    dtype: str = "auto",
-) -> System:
-    """The command line that serves `files` as `name` on 127.0.0.1:`port`. `kv_cache_gb` sizes
-    every system's KV pool; vLLM-CPU takes whole GiB, so it gets at least 1. Every peer computes
-    in `dtype` (auto: what is fastest on this host, `host_dtype`); ours is told `dtype` as is,
-    so that under auto it also picks its KV storage."""
-    common = ["--host", "127.0.0.1", "--port", str(port)]
-    compute = host_dtype(dtype)
-    n = str(max_num_seqs)
-    if name in ("tutorserve", "tutorserve-notiers"):
-        # A fresh disk tier per run: one left by an earlier run would flatter this one.
-        tiers = ["--kv-disk-dir", tempfile.mkdtemp(prefix="bench-kv-")]
-        if name == "tutorserve-notiers":
-            tiers = ["--kv-ram-gb", "0", "--kv-disk-gb", "0"]
-        argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--model", files.gguf,
-                "--served-model-name", files.name, "--dtype", dtype, "--max-num-seqs", n,
-                "--kv-cache-gb", f"{kv_cache_gb:g}", *tiers, "--max-waiting", "100000",
-                *common]  # fmt: skip
-        return System(name, argv)
-    if name in ("vllm", "vllm-allcores"):
-        py = vllm_python()
-        argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", files.hf_dir,
-                "--served-model-name", files.name, "--dtype", compute, "--max-model-len",
-                "8192", "--enable-prefix-caching", "--max-num-seqs", n, *common]  # fmt: skip
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(kv_cache_gb)))}
-        if name == "vllm-allcores":
-            env |= vllm_all_cores_env()
-        missing = None if py.exists() else f"run {PEERS_DIR / 'install_vllm_cpu.sh'}"
-        return System(name, argv, env, missing)
-    if name in ("llama-server", "llama-server-bf16"):
-        binary = llama_server_bin()
-        gguf = files.gguf if name == "llama-server" else str(bf16_gguf(files.name))
-        # The context is split evenly across slots: 8k tokens each. One compute thread: with two,
-        # its spinning OpenMP threads collapse (TTFT 55 s at 0.25 req/s) as soon as the load
-        # client needs the CPU too; vLLM-CPU likewise keeps a core free by default.
-        argv = [str(binary), "-m", gguf, "-a", files.name, "-t", "1", "-c",
-                str(8192 * max_num_seqs), "-np", n, "--no-webui", "--metrics", *common]  # fmt: skip
-        missing = None
-        if not binary.exists():
-            missing = f"run {PEERS_DIR / 'install_llama_server.sh'}"
-        elif not Path(gguf).exists():
-            missing = f"make {gguf} with {PEERS_DIR / 'llama_bf16_gguf.sh'}"
-        return System(name, argv, missing=missing)
-    if name in ("transformers", "transformers-batch8"):
-        batch = "1" if name == "transformers" else "8"
-        argv = [sys.executable, str(PEERS_DIR / "transformers_server.py"), "--model",
-                files.hf_dir, "--served-model-name", files.name, "--dtype", compute,
-                "--batch-size", batch, *common]  # fmt: skip
-        return System(name, argv)
-    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+@dataclass(frozen=True, slots=True)
+class ServeSpec:
+    """What every server of a comparison is told: the model, where to listen, its batch limit
+    and KV pool (vLLM-CPU takes whole GiB, so it gets at least 1), and the dtype every peer
+    computes in (auto: `host_dtype`; ours is told it as is, so that under auto it also picks
+    its KV storage)."""
+
+    files: ModelFiles
+    port: int
+    max_num_seqs: int
+    kv_cache_gb: float = 1.0
+    dtype: str = "auto"
+
+    @property
+    def listen(self) -> list[str]:
+        return ["--host", "127.0.0.1", "--port", str(self.port)]
+
+
+def tutorserve_server(name: str, s: ServeSpec, tiers: bool = True) -> System:
+    # A fresh disk tier per run: one left by an earlier run would flatter this one.
+    kv = ["--kv-disk-dir", tempfile.mkdtemp(prefix="bench-kv-")]
+    if not tiers:
+        kv = ["--kv-ram-gb", "0", "--kv-disk-gb", "0"]
+    argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--model", s.files.gguf,
+            "--served-model-name", s.files.name, "--dtype", s.dtype, "--max-num-seqs",
+            str(s.max_num_seqs), "--kv-cache-gb", f"{s.kv_cache_gb:g}", *kv, "--max-waiting",
+            "100000", *s.listen]  # fmt: skip
+    return System(name, argv)
+
+
+def vllm_server(name: str, s: ServeSpec, all_cores: bool = False) -> System:
+    py = vllm_python()
+    argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", s.files.hf_dir,
+            "--served-model-name", s.files.name, "--dtype", host_dtype(s.dtype),
+            "--max-model-len", "8192", "--enable-prefix-caching", "--max-num-seqs",
+            str(s.max_num_seqs), *s.listen]  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(s.kv_cache_gb)))}
+    if all_cores:
+        env |= vllm_all_cores_env()
+    missing = None if py.exists() else f"run {PEERS_DIR / 'install_vllm_cpu.sh'}"
+    return System(name, argv, env, missing)
+
+
+def llama_server(name: str, s: ServeSpec, bf16: bool = False) -> System:
+    """llama.cpp's server on the registered GGUF (Q4_1), or on a bf16 GGUF of the HF export."""
+    binary = llama_server_bin()
+    gguf = str(bf16_gguf(s.files.name)) if bf16 else s.files.gguf
+    # The context is split evenly across slots: 8k tokens each. One compute thread: with two,
+    # its spinning OpenMP threads collapse (TTFT 55 s at 0.25 req/s) as soon as the load
+    # client needs the CPU too; vLLM-CPU likewise keeps a core free by default.
+    argv = [str(binary), "-m", gguf, "-a", s.files.name, "-t", "1", "-c",
+            str(8192 * s.max_num_seqs), "-np", str(s.max_num_seqs), "--no-webui", "--metrics",
+            *s.listen]  # fmt: skip
+    missing = None
+    if not binary.exists():
+        missing = f"run {PEERS_DIR / 'install_llama_server.sh'}"
+    elif not Path(gguf).exists():
+        missing = f"make {gguf} with {PEERS_DIR / 'llama_bf16_gguf.sh'}"
+    return System(name, argv, missing=missing)
+
+
+def transformers_server(name: str, s: ServeSpec, batch: int = 1) -> System:
+    argv = [sys.executable, str(PEERS_DIR / "transformers_server.py"), "--model",
+            s.files.hf_dir, "--served-model-name", s.files.name, "--dtype",
+            host_dtype(s.dtype), "--batch-size", str(batch), *s.listen]  # fmt: skip
+    return System(name, argv)
 
 
 def host_dtype(name: str) -> str:
