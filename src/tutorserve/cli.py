@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from tutorserve.config import add_engine_args, engine_options
+from tutorserve.engine.policy import POLICIES
 from tutorserve.models.classes import MODEL_CLASSES
 from tutorserve.models.registry import DEFAULT_MODEL
 from tutorserve.sampling_params import SamplingParams
 
 log = logging.getLogger("tutorserve")
+ENGINE_CHOICES = {"scheduling": list(POLICIES)}  # known above the config layer only
 
 
 def add_tutor_args(p: argparse.ArgumentParser) -> None:
@@ -269,13 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="skip the chat template")
     p.add_argument("--adapter", default=None, help="a LoRA adapter given with --lora to apply")
-    add_engine_args(p)
+    add_engine_args(p, choices=ENGINE_CHOICES)
     add_sampling_args(p, max_tokens=256)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="terminal chat, streaming tokens as they come")
     p.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(p)
+    add_engine_args(p, choices=ENGINE_CHOICES)
     add_sampling_args(p, max_tokens=512)
     p.set_defaults(func=cmd_chat)
 
@@ -297,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allowed-origins", nargs="*", default=[], help="CORS origins (none unless given)"
     )
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
-    add_engine_args(p)
+    add_engine_args(p, choices=ENGINE_CHOICES)
     add_tutor_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -154,9 +154,14 @@ class EngineConfig:
                 )
 
 
-def add_engine_args(parser: argparse.ArgumentParser, only: Iterable[str] | None = None) -> None:
+def add_engine_args(
+    parser: argparse.ArgumentParser,
+    only: Iterable[str] | None = None,
+    choices: dict[str, Iterable[str]] | None = None,
+) -> None:
     """The declared options (or `only` these) as flags of `parser`, in their groups; the parser
-    remembers which, for `engine_options`."""
+    remembers which, for `engine_options`. `choices` adds what only a higher layer knows (the
+    scheduling policies' names, say), so a wrong value fails before the model loads."""
     groups: dict[str, Any] = {}
     added = []
     for f in dataclasses.fields(EngineConfig):
@@ -178,10 +183,11 @@ def add_engine_args(parser: argparse.ArgumentParser, only: Iterable[str] | None 
         else:
             default = f.default if cli.scale == 1 else f.default / cli.scale
             default = default if cli.cli_default is _SAME else cli.cli_default
+            allowed = cli.choices or (choices or {}).get(f.name)
             group.add_argument(
-                flag, dest=f.name, type=cli.type or type(f.default), choices=cli.choices,
+                flag, dest=f.name, type=cli.type or type(f.default), choices=allowed,
                 default=default() if callable(default) else default, help=cli.help,
-                metavar=None if cli.choices else flag[2:].replace("-", "_").upper(),
+                metavar=None if allowed else flag[2:].replace("-", "_").upper(),
             )  # fmt: skip
     parser.set_defaults(engine_fields=tuple(added))
 

@@ -16,11 +16,18 @@ from typing import Any
 from tutorserve.bench.registry import OFFLINE, PEERS, SERVERS, OfflineRun
 from tutorserve.bench.systems import host_dtype
 from tutorserve.config import EngineConfig, add_engine_args, engine_options
+from tutorserve.engine.policy import POLICIES
 from tutorserve.models.registry import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 # Engine options `bench offline` passes to our engine (vLLM gets the same batch limit).
-_OFFLINE_ENGINE_OPTIONS = ("kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "scheduling")
+_OFFLINE_ENGINE_OPTIONS = (
+    "kv_cache_dtype",
+    "kv_cache_bytes",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "scheduling",
+)
 
 
 # Every system of a benchmark computes in one dtype; auto is the host's fastest (`host_dtype`).
@@ -47,7 +54,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", **DTYPE_ARG)
-    add_engine_args(p, only=_OFFLINE_ENGINE_OPTIONS)
+    add_engine_args(p, only=_OFFLINE_ENGINE_OPTIONS, choices={"scheduling": list(POLICIES)})
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG results")
     p.set_defaults(func=cmd_offline)
