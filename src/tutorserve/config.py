@@ -187,7 +187,7 @@ def add_engine_args(
             group.add_argument(
                 flag, dest=f.name, type=cli.type or type(f.default), choices=allowed,
                 default=default() if callable(default) else default, help=cli.help,
-                metavar=None if allowed else flag[2:].replace("-", "_").upper(),
+                metavar=cli.metavar or (None if allowed else flag[2:].replace("-", "_").upper()),
             )  # fmt: skip
     parser.set_defaults(engine_fields=tuple(added))
 

@@ -115,6 +115,7 @@ def _build(level: str) -> Path | None:
     return out
 
 
+@functools.cache
 def _compiler_id(cc: str) -> bytes:
     """Which compiler builds the library (another version may build it differently)."""
     try:

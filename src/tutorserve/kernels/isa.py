@@ -80,8 +80,9 @@ def _choose() -> Kernels | None:
 def use(level: str) -> Iterator[Kernels]:
     """Run `level`'s kernels inside the block (tests and A/B benchmarks compare levels in one
     process). ValueError if this CPU cannot run it or it does not build."""
-    if level not in cpu_levels():
-        raise ValueError(f"this CPU cannot run the {level} kernels (it runs {cpu_levels()})")
+    levels = cpu_levels()
+    if level not in levels:
+        raise ValueError(f"this CPU cannot run the {level} kernels (it runs {levels})")
     kernels = load(level)
     if kernels is None:
         raise ValueError(f"the {level} kernels do not build here")
