@@ -117,15 +117,17 @@ def test_check_course_validates_course_folders(tmp_path):
 
 
 def test_plot_learner_draws_mastery_from_the_store(tmp_path):
-    from tutorserve.tutor.store import TutorStore
+    from tutorserve.tutor.store import Attempt, KCState, TutorStore
 
     url = f"sqlite:///{tmp_path / 'tutor.db'}"
     store = TutorStore(url)
     sid = store.create_session("ann", "algebra", "p1").id
     wrong, right = {"correct": False}, {"correct": True}
-    store.add_turn(sid, "x=1", "no", wrong, 1, {"k1": {"before": 0.3, "after": 0.2}}, {})
-    store.add_turn(sid, "help", "hint", {}, 1, {}, {})  # a question: no mastery change
-    store.add_turn(sid, "x=2", "yes", right, 0, {"k1": {"before": 0.2, "after": 0.55}}, {})
+    down = Attempt({"k1": KCState(0.2)}, {"k1": {"before": 0.3, "after": 0.2}}, False, None)
+    up = Attempt({"k1": KCState(0.55)}, {"k1": {"before": 0.2, "after": 0.55}}, True, None)
+    store.add_turn(sid, "x=1", "no", wrong, 1, {}, down)
+    store.add_turn(sid, "help", "hint", {}, 1, {})  # a question: no mastery change
+    store.add_turn(sid, "x=2", "yes", right, 0, {}, up)
     store.close()
     out = tmp_path / "ann.png"
     r = run("tutor", "plot-learner", "ann", "--tutor-db", url, "--out", str(out))

@@ -15,10 +15,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tutorkit import ScriptedLLM, mathdial_answer, mathdial_course, mathdial_rows
-from tutorserve.tutor import graph
 from tutorserve.tutor.answers import leaks_answer
 from tutorserve.tutor.courses import Course
-from tutorserve.tutor.graph import Timeouts
 from tutorserve.tutor.service import SessionBusyError, TutorService
 from tutorserve.tutor.store import TutorStore
 
@@ -65,16 +63,13 @@ def _final(events: list[dict]) -> dict:
     return final
 
 
-def test_diagnose_and_retrieve_run_in_parallel_and_explain_waits_for_both(
-    course, store, monkeypatch
-):
-    def slow_retrieve(ctx):
+def test_diagnose_and_retrieve_run_in_parallel_and_explain_waits_for_both(course, store):
+    def slow_retrieve(turn):
         time.sleep(0.6)  # a slow retriever (say, a vector search) in its worker thread
         return ["notes"]
 
-    monkeypatch.setattr(graph, "retrieve_material", slow_retrieve)
     llm = ScriptedLLM(delay={"diagnose": 0.05, "explain": 0.02})
-    service = TutorService({"mathdial": course}, store, llm)
+    service = TutorService({"mathdial": course}, store, llm, retriever=slow_retrieve)
 
     async def go():
         s = await _session(service)
@@ -97,11 +92,13 @@ def test_diagnose_and_retrieve_run_in_parallel_and_explain_waits_for_both(
     assert "notes" in explain_prompt
 
 
-def test_a_timed_out_node_falls_back_and_the_turn_completes(course, store, monkeypatch):
-    monkeypatch.setattr(graph, "retrieve_material", lambda ctx: time.sleep(1.0) or ["late"])
+def test_a_timed_out_node_falls_back_and_the_turn_completes(course, store):
     llm = ScriptedLLM(delay={"diagnose": 2.0, "explain": 2.0})
-    timeouts = Timeouts(diagnose=0.2, retrieve=0.2, explain=0.3)
-    service = TutorService({"mathdial": course}, store, llm, timeouts)
+    service = TutorService(
+        {"mathdial": course}, store, llm,
+        timeouts={"diagnose": 0.2, "retrieve": 0.2, "explain": 0.3},
+        retriever=lambda turn: time.sleep(1.0) or ["late"],
+    )  # fmt: skip
 
     async def go():
         s = await _session(service)
@@ -211,20 +208,13 @@ def test_one_span_per_agent_under_the_turn_span(course, store):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
-    service = TutorService({"mathdial": course}, store, ScriptedLLM())
-    old = (graph.tracer, __import__("tutorserve.tutor.service", fromlist=["x"]).tracer)
-    import tutorserve.tutor.service as service_mod
+    service = TutorService({"mathdial": course}, store, ScriptedLLM(), tracer=tracer)
 
-    graph.tracer, service_mod.tracer = tracer, tracer
-    try:
+    async def go():
+        s = await _session(service)
+        return await _turn(service, s["id"], "maybe 3")
 
-        async def go():
-            s = await _session(service)
-            return await _turn(service, s["id"], "maybe 3")
-
-        run(go())
-    finally:
-        graph.tracer, service_mod.tracer = old
+    run(go())
     spans = exporter.get_finished_spans()
     names = sorted(s.name for s in spans)
     assert names == sorted(
@@ -327,3 +317,12 @@ def test_a_reply_cut_off_by_the_token_limit_ends_at_its_last_whole_sentence(cour
         return await _turn(service, s["id"], f"It is {course.problems[0].answer}")
 
     assert _final(run(go()))["reply"] == "Correct! Well done."
+
+
+def test_timeouts_name_agents_and_a_wrong_name_or_value_is_refused(course, store):
+    with pytest.raises(ValueError, match="no agent named diagnosis"):
+        TutorService({"mathdial": course}, store, ScriptedLLM(), timeouts={"diagnosis": 1.0})
+    with pytest.raises(ValueError, match="positive seconds: explain"):
+        TutorService({"mathdial": course}, store, ScriptedLLM(), timeouts={"explain": 0})
+    service = TutorService({"mathdial": course}, store, ScriptedLLM(), timeouts={"engage": 5})
+    assert service.timeouts["engage"] == 5 and service.timeouts["explain"] == 60.0

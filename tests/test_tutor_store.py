@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 import pytest
 import sqlalchemy as sa
 
-from tutorserve.tutor.store import KCState, TutorStore, default_url
+from tutorserve.tutor.store import Attempt, KCState, TutorStore, default_url
 
 DIAGNOSIS = {"kind": "slip", "kcs": ["fractions.add"], "confidence": 0.7, "nested": {"a": [1, 2]}}
 
@@ -68,8 +68,9 @@ def fill(store: TutorStore) -> str:
     """Write one of everything; returns the session id."""
     store.ensure_learner("ann")
     first = store.create_session("ann", "algebra", "p1")
-    store.add_turn(first.id, "hi", "hello", DIAGNOSIS, 2, {"fractions.add": 0.1}, {"ms": 12.5})
-    store.add_turn(first.id, "3/4?", "close", {}, 0, {}, {"ms": 3})
+    changes = Attempt({}, {"fractions.add": 0.1}, False, None)  # type: ignore[dict-item]
+    store.add_turn(first.id, "hi", "hello", DIAGNOSIS, 2, {"ms": 12.5}, changes)
+    store.add_turn(first.id, "3/4?", "close", {}, 0, {"ms": 3})
     store.set_engage(first.id, 1, "try again")
     store.set_problem(first.id, "p2")
     store.save_mastery("ann", "algebra", {"k1": KCState(0.4, 3, 1, 1), "k2": KCState(0.9)})
@@ -136,14 +137,14 @@ def test_restart_reads_everything_back(db_url):
     assert snapshot(reopened, sid) == written
     assert written[0].problem_id == "p2" and len(written[2]) == 2
     # The next turn continues the numbering from the file.
-    assert reopened.add_turn(sid, "again", "ok", {}, 1, {}, {}) == 2
+    assert reopened.add_turn(sid, "again", "ok", {}, 1, {}) == 2
     reopened.close()
 
 
 def test_turn_indices_contiguous_under_threads(db_url):
     store = TutorStore(db_url)
     sid = store.create_session("ann", "algebra", None).id
-    assert [store.add_turn(sid, str(i), "r", {}, 0, {}, {}) for i in range(3)] == [0, 1, 2]
+    assert [store.add_turn(sid, str(i), "r", {}, 0, {}) for i in range(3)] == [0, 1, 2]
 
     per_thread = 5
     got: list[int] = []
@@ -152,7 +153,7 @@ def test_turn_indices_contiguous_under_threads(db_url):
     def worker(w: int) -> None:
         barrier.wait()
         for i in range(per_thread):
-            got.append(store.add_turn(sid, f"{w}.{i}", "r", {"w": w}, 0, {}, {}))
+            got.append(store.add_turn(sid, f"{w}.{i}", "r", {"w": w}, 0, {}))
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
     for t in threads:
@@ -174,7 +175,7 @@ def test_unknown_session_and_foreign_keys(db_url):
     store = TutorStore(db_url)
     assert store.get_session("nope") is None
     with pytest.raises(KeyError):
-        store.add_turn("nope", "m", "r", {}, 0, {}, {})
+        store.add_turn("nope", "m", "r", {}, 0, {})
     with pytest.raises(KeyError):
         store.set_problem("nope", "p1")
     with pytest.raises(KeyError):
@@ -254,3 +255,22 @@ def test_invalid_url_raises_value_error(tmp_path, make_url):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="cannot open tutor store"):
         TutorStore(make_url(tmp_path))
+
+
+def test_a_turn_and_what_its_attempt_changed_are_one_transaction(db_url):
+    store = TutorStore(db_url)
+    sid = store.create_session("ann", "algebra", "p1").id
+    solved = Attempt({"k1": KCState(0.8, 1)}, {"k1": {"before": 0.2, "after": 0.8}}, True, "p2")
+    assert store.add_turn(sid, "4", "Correct!", {"correct": True}, 0, {}, solved) == 0
+    assert store.mastery("ann", "algebra") == {"k1": KCState(0.8, 1)}
+    assert store.solved("ann", "algebra") == {"p1"}
+    assert store.get_session(sid).problem_id == "p2"
+    assert store.turns(sid)[0].mastery_changes == solved.mastery_changes
+
+    # A mastery row the database refuses takes the turn with it: nothing half-written.
+    bad = Attempt({"k1": KCState(None)}, {}, True, "p3")  # type: ignore[arg-type]
+    with pytest.raises(sa.exc.IntegrityError):
+        store.add_turn(sid, "5", "Correct!", {"correct": True}, 0, {}, bad)
+    assert len(store.turns(sid)) == 1 and store.get_session(sid).problem_id == "p2"
+    assert store.mastery("ann", "algebra") == {"k1": KCState(0.8, 1)}
+    store.close()

@@ -22,9 +22,10 @@ from tqdm import tqdm
 from tutorserve.config import EngineConfig
 from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.engine.engine import LLMEngine
+from tutorserve.tutor.agents import CRITICAL_STEPS
 from tutorserve.tutor.courses import Course, Problem, load_courses
 from tutorserve.tutor.llm_client import EngineLLM
-from tutorserve.tutor.service import CRITICAL_STEPS, TutorService
+from tutorserve.tutor.service import TutorService
 from tutorserve.tutor.store import TutorStore
 
 

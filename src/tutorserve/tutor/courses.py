@@ -9,7 +9,7 @@ import logging
 from functools import cached_property
 from importlib.resources import files
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -72,6 +72,10 @@ class Problem(_Strict):
     @cached_property
     def answer_forms(self) -> list[str]:
         return [self.answer, *self.accept]
+
+    def view(self) -> dict[str, Any]:
+        """What a student is shown of the problem (never its answer)."""
+        return {"id": self.id, "text": self.text, "kcs": self.kcs}
 
 
 class Course(_Strict):

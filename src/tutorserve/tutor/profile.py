@@ -1,11 +1,13 @@
 """What a learner's KC states mean for a course: mastery per KC with error counts, and, for a
-language course whose KCs carry CEFR levels, an estimate of the level reached."""
+language course whose KCs carry CEFR levels, an estimate of the level reached; and which
+problem comes next."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set
 from typing import Any
 
-from tutorserve.tutor.courses import CEFR_LEVELS, Course
+from tutorserve.tutor.courses import CEFR_LEVELS, Course, Problem
 from tutorserve.tutor.store import KCState
 
 MASTERED = 0.95
@@ -47,3 +49,18 @@ def course_progress(course: Course, states: dict[str, KCState]) -> dict[str, Any
     if course.has_cefr:
         out["cefr"] = cefr_estimate(course, states)
     return out
+
+
+def kc_states(course: Course, stored: dict[str, KCState]) -> dict[str, KCState]:
+    """Every KC's state, starting unseen ones at their prior."""
+    return {k.id: stored.get(k.id) or KCState(p_mastery=k.bkt.prior) for k in course.kcs}
+
+
+def pick_problem(course: Course, states: Mapping[str, KCState], solved: Set[str]) -> Problem | None:
+    """The first unsolved problem, in authored order, that still exercises an unmastered KC;
+    else the first unsolved one; None once everything is solved."""
+    unsolved = [p for p in course.problems if p.id not in solved]
+    for p in unsolved:
+        if any(states[k].p_mastery < MASTERED for k in p.kcs):
+            return p
+    return unsolved[0] if unsolved else None

@@ -1,8 +1,10 @@
 """The tutor service: sessions, turns and learner profiles over the course set, the store, the
-agent graph and one chat model. The HTTP layer (`api.py`) only translates.
+agent graph and its services (the chat model, the retriever, the tracer). The HTTP layer
+(`server/tutor_api.py`) only translates.
 
 A turn runs in its own task, independent of the connection that asked for it: a student who
-closes the tab still has the answer assessed and the turn stored.
+closes the tab still has the answer assessed and the turn stored. The turn and what its attempt
+changed are stored here, in one transaction, once `assess` is done.
 """
 
 from __future__ import annotations
@@ -10,22 +12,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.trace import Tracer
 
-from tutorserve.tutor.agents import TurnContext, kc_states, pick_problem, problem_view
+from tutorserve.tutor.agents import CRITICAL_STEPS, assess, engage
+from tutorserve.tutor.agents import timeouts as agent_timeouts
+from tutorserve.tutor.agents.retrieve import course_material
 from tutorserve.tutor.courses import Course
-from tutorserve.tutor.graph import Timeouts, build_turn_graph
+from tutorserve.tutor.graph import build_turn_graph
 from tutorserve.tutor.llm_client import ChatLLM
-from tutorserve.tutor.profile import course_progress
+from tutorserve.tutor.profile import course_progress, kc_states, pick_problem
 from tutorserve.tutor.prompts import HISTORY_TURNS, LEVEL_NAMES
 from tutorserve.tutor.store import TutorStore
+from tutorserve.tutor.turn import Retriever, Turn, TurnState, TutorContext
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("tutorserve.tutor")
-CRITICAL_STEPS = ("diagnose", "retrieve", "explain", "assess")
 
 
 class UnknownCourseError(ValueError):
@@ -42,12 +46,18 @@ class TutorService:
         courses: dict[str, Course],
         store: TutorStore,
         llm: ChatLLM,
-        timeouts: Timeouts | None = None,
+        *,
+        timeouts: Mapping[str, float] | None = None,
+        retriever: Retriever = course_material,
+        tracer: Tracer | None = None,
     ) -> None:
+        """`timeouts`: seconds per agent name, for those not to keep their own default."""
         self.courses = courses
         self.store = store
         self.llm = llm
-        self.timeouts = timeouts or Timeouts()
+        self.retriever = retriever
+        self.timeouts = agent_timeouts(timeouts)
+        self.tracer = tracer or trace.get_tracer("tutorserve.tutor")
         self.graph = build_turn_graph()
         self._busy: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -74,7 +84,7 @@ class TutorService:
             "id": rec.id,
             "learner_id": learner_id,
             "course": course.id,
-            "problem": problem_view(problem),
+            "problem": problem.view(),
             **course_progress(course, states),
         }
 
@@ -89,7 +99,7 @@ class TutorService:
             "id": rec.id,
             "learner_id": rec.learner_id,
             "course": rec.course_id,
-            "problem": problem_view(problem) if problem else None,
+            "problem": problem.view() if problem else None,
             "turns": [
                 {
                     "message": t.message,
@@ -125,51 +135,54 @@ class TutorService:
         except BaseException:
             self._busy.discard(session_id)
             raise
-        ctx = TurnContext(
+        turn = Turn(
             course=course,
             problem=course.problem[rec.problem_id],
             session_id=session_id,
             learner_id=rec.learner_id,
             message=message,
-            history=[(t.message, t.reply) for t in turns[-HISTORY_TURNS:]],
+            history=tuple((t.message, t.reply) for t in turns[-HISTORY_TURNS:]),
             states=states,
-            solved=solved,
-            llm=self.llm,
-            store=self.store,
-            timeouts=self.timeouts,
+            solved=frozenset(solved),
             started=time.monotonic(),
         )
         events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        task = asyncio.create_task(self._drive(ctx, events))
+        task = asyncio.create_task(self._drive(turn, events))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return _drain(events)
 
-    async def _drive(self, ctx: TurnContext, events: asyncio.Queue) -> None:
-        span = tracer.start_span(
+    async def _drive(self, turn: Turn, events: asyncio.Queue) -> None:
+        span = self.tracer.start_span(
             "tutor.turn",
-            attributes={"tutor.session": ctx.session_id, "tutor.course": ctx.course.id},
+            attributes={"tutor.session": turn.session_id, "tutor.course": turn.course.id},
         )
-        ctx.trace_parent = trace.set_span_in_context(span)
+        services = TutorContext(
+            llm=self.llm,
+            retriever=self.retriever,
+            timeouts=self.timeouts,
+            tracer=self.tracer,
+            trace_parent=trace.set_span_in_context(span),
+        )
         index = None
         try:
             # "values" is the graph's state after each superstep, already merged by its reducers.
             async for mode, state in self.graph.astream(
-                {"ctx": ctx}, stream_mode=["custom", "values"]
+                {"turn": turn}, context=services, stream_mode=["custom", "values"]
             ):
                 if mode == "custom":
                     events.put_nowait(state)
-                elif index is None and "outcome" in state:  # assess is done: the student's wait
-                    final = self._final(ctx, state)
+                elif index is None and assess.AGENT.name in state.get("steps", {}):
+                    final = self._final(turn, state)
                     span.end()
-                    index = await asyncio.to_thread(self._save_turn, ctx, final)
-                    self._busy.discard(ctx.session_id)  # engage need not hold the next turn
+                    index = await asyncio.to_thread(self._save, turn, state, final)
+                    self._busy.discard(turn.session_id)  # engage need not hold the next turn
                     events.put_nowait({"event": "final", "turn": index, **final})
                 elif index is not None and "engage" in state:
                     await asyncio.to_thread(
-                        self.store.set_engage, ctx.session_id, index, state["engage"]
+                        self.store.set_engage, turn.session_id, index, state["engage"]
                     )
-                    step = state["steps"]["engage"]
+                    step = state["steps"][engage.AGENT.name]
                     took = round(step["end_ms"] - step["start_ms"], 1)
                     events.put_nowait(
                         {"event": "engage", "text": state["engage"], "duration_ms": took}
@@ -180,40 +193,41 @@ class TutorService:
             if span.is_recording():
                 span.end()
         finally:
-            self._busy.discard(ctx.session_id)
+            self._busy.discard(turn.session_id)
             events.put_nowait(None)
 
-    def _final(self, ctx: TurnContext, state: dict[str, Any]) -> dict[str, Any]:
-        d, outcome = state["diagnosis"], state.get("outcome", {})
+    def _final(self, turn: Turn, state: TurnState) -> dict[str, Any]:
+        d, attempt = state["diagnosis"], state.get("attempt")
         steps = state["steps"]
-        critical = (time.monotonic() - ctx.started) * 1e3
+        critical = (time.monotonic() - turn.started) * 1e3
         total = sum(s["end_ms"] - s["start_ms"] for n, s in steps.items() if n in CRITICAL_STEPS)
+        nxt = turn.course.problem.get(attempt.next_problem or "") if attempt else None
         return {
             "reply": state.get("reply", ""),
             "diagnosis": d,
             "ladder_level": d["level"],
             "ladder": LEVEL_NAMES[d["level"]],
-            "mastery_changes": outcome.get("mastery_changes", {}),
-            "problem": problem_view(ctx.problem),
-            "next_problem": outcome.get("next_problem"),
+            "mastery_changes": attempt.mastery_changes if attempt else {},
+            "problem": turn.problem.view(),
+            "next_problem": nxt.view() if nxt else None,
             "fallbacks": state.get("fallbacks", []),
             "timing": {
                 "critical_path_ms": round(critical, 1),
                 "sum_of_steps_ms": round(total, 1),
                 "steps": {n: {k: round(v, 1) for k, v in s.items()} for n, s in steps.items()},
             },
-            **course_progress(ctx.course, ctx.states),
+            **course_progress(turn.course, {**turn.states, **(attempt.states if attempt else {})}),
         }
 
-    def _save_turn(self, ctx: TurnContext, final: dict[str, Any]) -> int:
+    def _save(self, turn: Turn, state: TurnState, final: dict[str, Any]) -> int:
         return self.store.add_turn(
-            ctx.session_id,
-            ctx.message,
+            turn.session_id,
+            turn.message,
             final["reply"],
             final["diagnosis"],
             final["ladder_level"],
-            final["mastery_changes"],
             final["timing"],
+            state.get("attempt"),
         )
 
     async def learner(self, learner_id: str) -> dict[str, Any]:

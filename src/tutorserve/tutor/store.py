@@ -79,6 +79,17 @@ class KCState:
     consecutive_errors: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """What an assessed answer changes for its learner, written in the same transaction as the
+    turn, so a turn is never stored without its mastery update or the other way round."""
+
+    states: dict[str, KCState]  # the new state of each KC the problem exercises
+    mastery_changes: dict[str, dict[str, float]]  # per KC: p_mastery before and after
+    solved: bool
+    next_problem: str | None  # when solved: the session's next problem (None: course finished)
+
+
 def _record(cls: type[T], row: Any) -> T:
     """A record from the ORM row whose attributes carry the record's field names."""
     return cls(**{f.name: getattr(row, f.name) for f in fields(cls)})  # type: ignore[call-arg]
@@ -211,11 +222,14 @@ class TutorStore:
         reply: str,
         diagnosis: dict,
         ladder_level: int,
-        mastery_changes: dict,
         timing: dict,
+        attempt: Attempt | None = None,
     ) -> int:
+        """Store a turn and what its attempt changed, as one transaction; its index."""
+
         def go(s: Session) -> int:
-            if s.get(SessionRow, session_id) is None:
+            session = s.get(SessionRow, session_id)
+            if session is None:
                 raise KeyError(session_id)
             last = sa.select(sa.func.max(TurnRow.index)).where(TurnRow.session_id == session_id)
             found = s.scalar(last)
@@ -228,12 +242,18 @@ class TutorStore:
                     reply=reply,
                     diagnosis=diagnosis,
                     ladder_level=ladder_level,
-                    mastery_changes=mastery_changes,
+                    mastery_changes=attempt.mastery_changes if attempt else {},
                     timing=timing,
                     engage=None,
                     created_at=_now(),
                 )
             )
+            if attempt is not None:
+                learner, course = session.learner_id, session.course_id
+                self._save_mastery(s, learner, course, attempt.states)
+                if attempt.solved:
+                    self._mark_solved(s, learner, course, session.problem_id)
+                    session.problem_id = attempt.next_problem
             return index
 
         return self._write(go)
@@ -251,28 +271,30 @@ class TutorStore:
         )
         return {m.kc_id: _record(KCState, m) for m in self._all(query)}
 
-    def save_mastery(self, learner_id: str, course_id: str, states: dict[str, KCState]) -> None:
-        def go(s: Session) -> None:
-            self._ensure(s, learner_id)
-            now = _now()
-            for kc_id, st in states.items():
-                row = s.get(MasteryRow, (learner_id, course_id, kc_id))
-                if row is None:
-                    row = MasteryRow(learner_id=learner_id, course_id=course_id, kc_id=kc_id)
-                    s.add(row)
-                for name, value in asdict(st).items():
-                    setattr(row, name, value)
-                row.updated_at = now
+    def _save_mastery(
+        self, s: Session, learner_id: str, course_id: str, states: dict[str, KCState]
+    ) -> None:
+        self._ensure(s, learner_id)
+        now = _now()
+        for kc_id, st in states.items():
+            row = s.get(MasteryRow, (learner_id, course_id, kc_id))
+            if row is None:
+                row = MasteryRow(learner_id=learner_id, course_id=course_id, kc_id=kc_id)
+                s.add(row)
+            for name, value in asdict(st).items():
+                setattr(row, name, value)
+            row.updated_at = now
 
-        self._write(go)
+    def save_mastery(self, learner_id: str, course_id: str, states: dict[str, KCState]) -> None:
+        self._write(lambda s: self._save_mastery(s, learner_id, course_id, states))
+
+    def _mark_solved(self, s: Session, learner_id: str, course_id: str, problem_id: str) -> None:
+        self._ensure(s, learner_id)
+        if s.get(SolvedRow, (learner_id, course_id, problem_id)) is None:
+            s.add(SolvedRow(learner_id=learner_id, course_id=course_id, problem_id=problem_id))
 
     def mark_solved(self, learner_id: str, course_id: str, problem_id: str) -> None:
-        def go(s: Session) -> None:
-            self._ensure(s, learner_id)
-            if s.get(SolvedRow, (learner_id, course_id, problem_id)) is None:
-                s.add(SolvedRow(learner_id=learner_id, course_id=course_id, problem_id=problem_id))
-
-        self._write(go)
+        self._write(lambda s: self._mark_solved(s, learner_id, course_id, problem_id))
 
     def solved(self, learner_id: str, course_id: str) -> set[str]:
         query = sa.select(SolvedRow.problem_id).where(
