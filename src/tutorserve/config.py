@@ -16,6 +16,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 GIB = 2**30
 _SAME = object()
 
@@ -68,6 +69,13 @@ class EngineConfig:
              choices=DTYPES),
     )  # fmt: skip
     device: str = _option("auto", Flag("where the model runs", choices=DEVICES))
+    # "none" by default until the quantized path also wins at large batches
+    # (docs/benchmarks/quantization.md).
+    quantization: str = _option(
+        "none",
+        Flag("weights: auto keeps a GGUF's quantized blocks (on a CPU), none dequantizes them, "
+             "int8/int4 quantize a HF checkpoint at load", choices=QUANTIZATIONS),
+    )  # fmt: skip
     block_size: int = _option(16, Flag("tokens per KV block (a power of two)"))
     # KV budget: an explicit block count wins over a byte budget.
     num_kv_blocks: int | None = _option(None, Flag("KV budget in blocks", type=int))
@@ -147,7 +155,10 @@ class EngineConfig:
             raise ValueError("session_ttl must be positive")
         if self.max_bypass < 0:
             raise ValueError("max_bypass must be >= 0")
-        for name, allowed in (("dtype", DTYPES), ("kv_cache_dtype", DTYPES), ("device", DEVICES)):
+        for name, allowed in (
+            ("dtype", DTYPES), ("kv_cache_dtype", DTYPES), ("device", DEVICES),
+            ("quantization", QUANTIZATIONS),
+        ):  # fmt: skip
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"

@@ -55,7 +55,9 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_dtype(
             config.kv_cache_dtype, config.dtype, self.dtype, self.device
         )
-        self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
+        self.model, self.tokenizer = load_model(
+            config.model, self.dtype, self.device, config.quantization
+        )
         mcfg = self.model.config
         bs = config.block_size
         per_block = mcfg.kv_bytes_per_token(torch.finfo(self.kv_dtype).bits // 8) * bs

@@ -35,11 +35,12 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-strict-aliasing", "-shared", "-fPIC"]
-_AVX512 = ["-DTS_AVX512", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+_AVX512 = ["-DTS_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+           "-mavx512dq"]  # fmt: skip
 LEVEL_FLAGS = {
     "scalar": ["-DTS_SCALAR"],
     "neon": ["-DTS_NEON"],  # an AArch64 compiler targets NEON by default
-    "avx2": ["-DTS_AVX2", "-mavx2", "-mfma"],
+    "avx2": ["-DTS_AVX2", "-mavx2", "-mfma", "-mf16c"],
     "avx512": _AVX512,
     "avx512bf16": [*_AVX512, "-mavx512bf16", "-DTS_BF16DOT"],
 }
@@ -51,6 +52,8 @@ _SIGNATURES = {
     "paged_attention": [_ptr] * 6 + [_i64] * 8 + [ctypes.c_float, _i32, _i32, _ptr, _ptr, _i32],
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, _i32, _i32],
     "silu_mul": [_ptr, _ptr, _i64, _i64, _i32, _i32],
+    "quant_matmul": [_ptr, _i32, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32],
+    "quant_dequantize": [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i32],
 }
 
 

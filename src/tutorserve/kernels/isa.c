@@ -10,7 +10,9 @@ int tutorserve_cpu_levels(void) {
     levels |= 1 << 1; /* NEON is part of every AArch64 CPU */
 #elif defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) levels |= 1 << 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        levels |= 1 << 2;
     if ((levels & 1 << 2) && __builtin_cpu_supports("avx512f") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq"))

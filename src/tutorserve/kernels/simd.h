@@ -77,6 +77,11 @@ static inline vf vsums(const vf *v) {
                          _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* VL int8 values as float32 (quantized weights' codes). */
+static inline vf vload_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
 #elif defined(TS_AVX2)
 #include <immintrin.h>
 enum { VL = 8 };
@@ -137,6 +142,10 @@ static inline vf vsums(const vf *v) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+static inline vf vload_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
 #elif defined(TS_NEON)
 #include <arm_neon.h>
 enum { VL = 4 };
@@ -178,6 +187,11 @@ static inline void vstore_bf16(uint16_t *p, vf x) {
 }
 static inline vf vsums(const vf *v) {
     return vpaddq_f32(vpaddq_f32(v[0], v[1]), vpaddq_f32(v[2], v[3]));
+}
+
+/* Reads 8 bytes for 4 lanes: callers pad their code buffers. */
+static inline vf vload_i8(const int8_t *p) {
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8(p)))));
 }
 
 #elif defined(TS_SCALAR)
@@ -224,6 +238,8 @@ static inline void vstore_bf16(uint16_t *p, vf x) {
     *p = (uint16_t)(u >> 16);
 }
 static inline vf vsums(const vf *v) { return v[0]; }
+
+static inline vf vload_i8(const int8_t *p) { return (float)*p; }
 
 #else
 #error "build with one of -DTS_SCALAR, -DTS_AVX2, -DTS_AVX512, -DTS_NEON (see build.py)"

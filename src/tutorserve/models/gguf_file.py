@@ -17,9 +17,11 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as FastTokenizer
 from tqdm import tqdm
 
+from tutorserve.kernels.quant import FORMATS
 from tutorserve.models.classes import model_class
 from tutorserve.models.config import ModelConfig
 from tutorserve.models.tokenizer import Tokenizer
+from tutorserve.quant import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +108,22 @@ class GGUFModel:
             if t.data_offset + t.n_bytes > end or t.data.nbytes != t.n_bytes:
                 raise ValueError(f"corrupt or truncated GGUF file {self.path}: tensor {t.name}")
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(
+        self, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+        """HF-named tensors; with `keep_quantized`, the weights of formats our kernels take stay
+        quantized blocks (`QuantWeight`); norms and other float tensors come as tensors."""
         cfg = self.config
         permuted = model_class(cfg.arch).arch.gguf_permuted_qk
         for t in tqdm(self.reader.tensors, desc=f"loading {self.path.name}", unit="tensor"):
             name = _hf_name(t.name)
+            if keep_quantized and t.tensor_type.name in FORMATS and len(t.shape) == 2:
+                rows = np.array(t.data)  # a writable copy: the reader's is a view of the mmap
+                if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+                    heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+                    rows = np.ascontiguousarray(_unpermute(rows, heads))
+                yield name, QuantWeight(torch.from_numpy(rows), t.tensor_type.name, int(t.shape[0]))
+                continue
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
             arr = np.asarray(arr, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
             if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -11,38 +11,78 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from tutorserve.kernels import quant as quant_kernels
+from tutorserve.models.arch import Architecture
 from tutorserve.models.classes import model_class
 from tutorserve.models.config import ModelConfig
 from tutorserve.models.gguf_file import GGUFModel
 from tutorserve.models.llama import LlamaForCausalLM
 from tutorserve.models.registry import resolve
 from tutorserve.models.tokenizer import Tokenizer
-from tutorserve.models.weights import load_weights
+from tutorserve.models.weights import install_quantized, load_weights
+from tutorserve.quant import QuantWeight
 
 log = logging.getLogger(__name__)
 
 
+# --quantization of a HF checkpoint → the block format its linears are quantized to at load:
+# int8 in blocks of 32 with one scale (finer than per-channel), int4 in blocks of 32 with a
+# scale and a minimum (group-wise, asymmetric).
+AT_LOAD = {"int8": "Q8_0", "int4": "Q4_1"}
+
+
 def load_model(
-    model: str, dtype: torch.dtype, device: torch.device
+    model: str, dtype: torch.dtype, device: torch.device, quantization: str = "none"
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
+    """`quantization`: auto keeps a GGUF's quantized weights as they are (CPU only), none
+    dequantizes them, int8/int4 quantize a HF checkpoint's linears at load."""
     path = resolve(model)
-    if path.suffix == ".gguf":
+    gguf = path.suffix == ".gguf"
+    if gguf and quantization in AT_LOAD:
+        raise ValueError(
+            f"a GGUF file keeps its own quantization: use auto or none, not {quantization}"
+        )
+    quantize = quantization in AT_LOAD or (gguf and quantization == "auto")
+    if quantize and not (device.type == "cpu" and quant_kernels.available()):
+        # GPUs, and CPUs without our kernels, compute on dequantized weights (same outputs).
+        log.warning(
+            "quantized weights need our CPU kernels: %s on %s runs dequantized", model, device
+        )
+        quantize = False
+    if gguf:
         gg = GGUFModel(path)
-        config, tensors, tokenizer = gg.config, gg.tensors(), gg.tokenizer()
+        config, tensors, tokenizer = gg.config, gg.tensors(keep_quantized=quantize), gg.tokenizer()
     else:
         config, tensors, tokenizer = _hf_dir(path)
     net = model_class(config.arch)(config)
-    load_weights(net, tensors)
+    if quantize and not gguf:
+        tensors = _quantized_linears(tensors, net.arch, AT_LOAD[quantization])
+    quantized = load_weights(net, tensors)
     net = net.to(device=device, dtype=dtype).eval()
+    install_quantized(net, quantized, dtype)
+    formats = sorted({w.fmt for shards in quantized.values() for w in shards.values()})
     log.info(
-        "loaded %s (%s, %d layers) as %s on %s",
+        "loaded %s (%s, %d layers) as %s on %s%s",
         model,
         config.arch,
         config.num_layers,
         dtype,
         device,
+        f", weights kept in {'/'.join(formats)}" if formats else "",
     )
     return net, tokenizer
+
+
+def _quantized_linears(
+    tensors: Iterator[tuple[str, torch.Tensor]], arch: Architecture, fmt: str
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """The projections' weights quantized to `fmt`; one whose inputs are not whole blocks (of
+    32) stays float, as llama.cpp's quantizer leaves it."""
+    linears = tuple(f".{p.parent}.{p.name}.weight" for p in arch.projections)
+    group = quant_kernels.FORMATS[fmt][1]
+    for name, t in tensors:
+        whole = t.ndim == 2 and t.shape[1] % group == 0
+        yield name, QuantWeight.quantize(t, fmt) if whole and name.endswith(linears) else t
 
 
 def _hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], Tokenizer]:

@@ -1,4 +1,5 @@
-"""Copy Hugging Face-named tensors into our fused modules."""
+"""Copy Hugging Face-named tensors into our fused modules; quantized ones replace their linear
+or embedding module with its quantized form instead."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from torch import nn
 
 from tutorserve.models.arch import Architecture
 from tutorserve.models.config import ModelConfig
+from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch
+
+Tensor = torch.Tensor | QuantWeight
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _TOP = {
@@ -19,9 +23,12 @@ _TOP = {
 }
 
 
-def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(
+    model: nn.Module, tensors: Iterable[tuple[str, Tensor]]
+) -> dict[str, dict[int, QuantWeight]]:
     """Load HF-named tensors into `model`; every parameter must be filled exactly once. Which
-    HF projections are packed into which of our linears, the model's class declares."""
+    HF projections are packed into which of our linears, the model's class declares. Quantized
+    weights are returned by module (and shard) instead, for `install_quantized`."""
     cfg: ModelConfig = model.config  # type: ignore[assignment]
     arch: Architecture = model.arch  # type: ignore[assignment]
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -38,6 +45,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     for name, fused in ((n, f) for n in params for f in shard_sizes if f"{f}." in n):
         wanted.discard((name, None))
         wanted |= {(name, i) for i in range(len(shard_sizes[fused]))}
+    quantized: dict[str, dict[int, tuple[QuantWeight, torch.Tensor]]] = {}
     for name, tensor in tensors:
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
@@ -52,11 +60,43 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             raise ValueError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
-        dest.copy_(tensor)
+        if isinstance(tensor, QuantWeight):
+            quantized.setdefault(target.rsplit(".", 1)[0], {})[shard or 0] = (tensor, dest)
+        else:
+            dest.copy_(tensor)
         wanted.discard((target, shard))
     if wanted:
         missing = sorted(f"{n}" if s is None else f"{n}[{s}]" for n, s in wanted)
         raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:8])}")
+    kept = {}
+    for module, shards in quantized.items():
+        if len(shards) == len(shard_sizes.get(module.split(".", 2)[-1], [0])):
+            kept[module] = {i: w for i, (w, _) in shards.items()}
+        else:  # some of a fused linear's parts came as floats: it runs on floats
+            for w, dest in shards.values():
+                dest.copy_(w.dequantize())
+    return kept
+
+
+def install_quantized(
+    model: nn.Module, quantized: dict[str, dict[int, QuantWeight]], dtype: torch.dtype
+) -> None:
+    """Replace each module `load_weights` returned quantized parts for with its quantized form
+    (a tied LM head follows a quantized embedding); `dtype` is the activations'."""
+    scratch = Scratch()
+    for name, shards in quantized.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, attr)
+        parts = [shards[i] for i in sorted(shards)]
+        if isinstance(old, nn.Embedding):
+            new: nn.Module = QuantEmbedding(parts[0], dtype)
+        else:
+            new = QuantLinear(parts, old.bias, scratch)
+        setattr(parent, attr, new)
+    embed = getattr(model, "embed_tokens", None)
+    if model.config.tie_word_embeddings and isinstance(embed, QuantEmbedding):  # type: ignore[union-attr]
+        model.lm_head = QuantLinear([embed.weight()], None, scratch)
 
 
 def _map_name(

@@ -1,0 +1,291 @@
+/* Matmuls on GGUF-quantized weights kept in their block format.
+ *
+ * A decode step reads every weight once, so its speed is bandwidth over weight bytes: a 4-bit
+ * block costs a seventh of a float32 row. Each weight row (K inputs) is a run of blocks in
+ * llama.cpp's layout; `decode` turns one block into int8 codes q with, per 16 weights, a scale
+ * and an offset (w = scale * q + offset), which covers every format here:
+ *
+ *   Q8_0  32 weights: d, 32 int8                    w = d q
+ *   Q4_0  32: d, 16 bytes of nibbles                w = d (q - 8)
+ *   Q4_1  32: d, m, nibbles                         w = d q + m
+ *   Q5_0  32: d, 32 high bits, nibbles              w = d (q - 16)
+ *   Q5_1  32: d, m, high bits, nibbles              w = d q + m
+ *   Q4_K  256: d, dmin, 8 x 6-bit (scale, min), nibbles          w = d sc q - dmin mn
+ *   Q5_K  256: as Q4_K plus one high bit per weight
+ *   Q6_K  256: 4 low + 2 high bits, 16 int8 scales, d            w = d sc (q - 32)
+ * `quant_matmul` decodes a row once into a per-thread buffer, then multiplies it with every
+ * activation row (y = x W^T), VL lanes at a time with the level's FMA; threads split the weight
+ * rows. The codes are exact small integers and the scales are what the reference dequantizer
+ * computes, so results differ from dequantize-then-matmul only in summation order.
+ */
+#include <stdlib.h>
+
+#include "simd.h"
+
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { CHUNK = 16, MAX_GROUP = 256, BATCH_TILE = 4 };
+
+/* An IEEE half at p (unaligned, little-endian) as float32: one instruction where F16C or
+ * NEON has it, bit manipulation in the scalar build. */
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(TS_AVX2) || defined(TS_AVX512)
+    return _cvtsh_ss(h);
+#elif defined(TS_NEON)
+    __fp16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f;
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = h >> 10 & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | man << 13;
+    } else if (exp != 0) {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    } else { /* zero or subnormal: man * 2^-24 */
+        const float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+#endif
+}
+
+/* Weights per block and bytes per block, or 0 for a format this file does not know. */
+static int group_of(int fmt) {
+    switch (fmt) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
+    case Q4_K: case Q5_K: case Q6_K: return 256;
+    default: return 0;
+    }
+}
+static int bytes_of(int fmt) {
+    switch (fmt) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+/* The j-th 6-bit (scale, min) pair of a Q4_K/Q5_K block's 12 packed bytes. */
+static void scale_min_k4(int j, const uint8_t *s, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | (s[j - 4] >> 6) << 4;
+        *mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+static void nibbles(const uint8_t *qs, int8_t *q) {
+    for (int l = 0; l < 16; l++) {
+        q[l] = (int8_t)(qs[l] & 0xF);
+        q[l + 16] = (int8_t)(qs[l] >> 4);
+    }
+}
+
+/* Q5_0/Q5_1: nibbles plus bit j (low half) or j + 12 (high half, shifted) of the 32-bit qh. */
+static void nibbles5(const uint8_t *qh4, const uint8_t *qs, int8_t *q) {
+    uint32_t qh;
+    memcpy(&qh, qh4, sizeof qh);
+    for (int l = 0; l < 16; l++) {
+        q[l] = (int8_t)((qs[l] & 0xF) | ((qh >> l) << 4 & 0x10));
+        q[l + 16] = (int8_t)((qs[l] >> 4) | ((qh >> (l + 12)) & 0x10));
+    }
+}
+
+/* One block → codes q[group] and a (scale, offset) per 16 weights. */
+__attribute__((always_inline)) static inline void decode(int fmt, const uint8_t *b, int8_t *q,
+                                                       float *scale, float *offset) {
+    switch (fmt) {
+    case Q8_0: {
+        const float d = half(b);
+        memcpy(q, b + 2, 32);
+        scale[0] = scale[1] = d;
+        offset[0] = offset[1] = 0.f;
+        return;
+    }
+    case Q4_0: case Q5_0: {
+        const float d = half(b);
+        if (fmt == Q4_0)
+            nibbles(b + 2, q);
+        else
+            nibbles5(b + 2, b + 6, q);
+        scale[0] = scale[1] = d;
+        offset[0] = offset[1] = (fmt == Q4_0 ? -8.f : -16.f) * d;
+        return;
+    }
+    case Q4_1: case Q5_1: {
+        const float d = half(b), m = half(b + 2);
+        if (fmt == Q4_1)
+            nibbles(b + 4, q);
+        else
+            nibbles5(b + 4, b + 8, q);
+        scale[0] = scale[1] = d;
+        offset[0] = offset[1] = m;
+        return;
+    }
+    case Q4_K: case Q5_K: {
+        const float d = half(b), dmin = half(b + 2);
+        const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (fmt == Q4_K ? 16 : 48);
+        for (int j = 0; j < 8; j++) { /* sub-block j: 32 weights, nibbles of byte group j / 2 */
+            const uint8_t *src = qs + 32 * (j / 2);
+            const int shift = (j & 1) * 4;
+            for (int l = 0; l < 32; l++) {
+                int v = src[l] >> shift & 0xF;
+                if (fmt == Q5_K) v |= (qh[l] >> j & 1) << 4;
+                q[32 * j + l] = (int8_t)v;
+            }
+            int sc, mn;
+            scale_min_k4(j, s, &sc, &mn);
+            scale[2 * j] = scale[2 * j + 1] = d * (float)sc;
+            offset[2 * j] = offset[2 * j + 1] = -dmin * (float)mn;
+        }
+        return;
+    }
+    case Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half(b + 208);
+        for (int h = 0; h < 2; h++) { /* two halves of 128 weights */
+            int8_t *o = q + 128 * h;
+            const uint8_t *l4 = ql + 64 * h, *h2 = qh + 32 * h;
+            for (int l = 0; l < 32; l++) {
+                o[l] = (int8_t)((l4[l] & 0xF) | (h2[l] & 3) << 4);
+                o[l + 32] = (int8_t)((l4[l + 32] & 0xF) | (h2[l] >> 2 & 3) << 4);
+                o[l + 64] = (int8_t)((l4[l] >> 4) | (h2[l] >> 4 & 3) << 4);
+                o[l + 96] = (int8_t)((l4[l + 32] >> 4) | (h2[l] >> 6 & 3) << 4);
+            }
+        }
+        for (int c = 0; c < 16; c++) {
+            scale[c] = d * (float)sc[c];
+            offset[c] = -32.f * scale[c];
+        }
+        return;
+    }
+    }
+}
+
+/* Row r of the weight, all K of it: codes into q[K], per-16 scales and offsets. The switch
+ * is outside the loop so that each format's decoder is inlined into its own loop. */
+#define DECODE_ROW(F)                                                                    \
+    for (int64_t i = 0; i < blocks; i++)                                                 \
+        decode(F, row + i * nb, q + i * g, scale + i * (g / CHUNK), offset + i * (g / CHUNK))
+__attribute__((always_inline)) static inline void decode_row(int fmt, const uint8_t *w, int64_t r,
+                                                           int64_t k, int8_t *q, float *scale,
+                       float *offset) {
+    const int g = group_of(fmt), nb = bytes_of(fmt);
+    const int64_t blocks = k / g;
+    const uint8_t *row = w + r * blocks * nb;
+    switch (fmt) {
+    case Q4_0: DECODE_ROW(Q4_0); break;
+    case Q4_1: DECODE_ROW(Q4_1); break;
+    case Q5_0: DECODE_ROW(Q5_0); break;
+    case Q5_1: DECODE_ROW(Q5_1); break;
+    case Q8_0: DECODE_ROW(Q8_0); break;
+    case Q4_K: DECODE_ROW(Q4_K); break;
+    case Q5_K: DECODE_ROW(Q5_K); break;
+    case Q6_K: DECODE_ROW(Q6_K); break;
+    }
+}
+
+/* y[b, n] = sum_k x[b, k] W[n, k] for a tile of up to BATCH_TILE activation rows. */
+static void dot_tile(const int8_t *q, const float *scale, const float *offset, int64_t k,
+                     const float *x, int64_t ldx, int64_t rows, float *out) {
+    vf acc[BATCH_TILE];
+    for (int b = 0; b < BATCH_TILE; b++) acc[b] = vzero();
+    for (int64_t c = 0; c < k / CHUNK; c++) {
+        const vf s = vset1(scale[c]), o = vset1(offset[c]);
+        for (int v = 0; v < CHUNK; v += VL) {
+            const int64_t i = c * CHUNK + v;
+            const vf wv = vfma(vload_i8(q + i), s, o);
+            for (int64_t b = 0; b < rows; b++) acc[b] = vfma(wv, vload(x + b * ldx + i), acc[b]);
+        }
+    }
+    for (int64_t b = 0; b < rows; b++) out[b] = vhsum(acc[b]);
+}
+
+static int shape_ok(int fmt, int64_t k) {
+    const int g = group_of(fmt);
+    return g != 0 && k % g == 0;
+}
+
+/* y = x W^T: W [n, k] quantized rows of `fmt`; x [batch, k] float32 rows ldx apart; y [batch,
+ * n] float32 rows ldy apart (a column slice of a wider output when ldy > n). */
+int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const float *x, int64_t batch,
+                 int64_t ldx, float *y, int64_t ldy, int num_threads) {
+    if (!shape_ok(fmt, k)) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int8_t *q = malloc((size_t)k + 64);
+        float *scale = malloc(sizeof(float) * (size_t)(k / CHUNK));
+        float *offset = malloc(sizeof(float) * (size_t)(k / CHUNK));
+        if (!q || !scale || !offset) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < n; r++) {
+                decode_row(fmt, (const uint8_t *)w, r, k, q, scale, offset);
+                for (int64_t b0 = 0; b0 < batch; b0 += BATCH_TILE) {
+                    const int64_t rows = batch - b0 < BATCH_TILE ? batch - b0 : BATCH_TILE;
+                    float out[BATCH_TILE];
+                    dot_tile(q, scale, offset, k, x + b0 * ldx, ldx, rows, out);
+                    for (int64_t b = 0; b < rows; b++) y[(b0 + b) * ldy + r] = out[b];
+                }
+            }
+        }
+        free(q);
+        free(scale);
+        free(offset);
+    }
+    return failed ? -2 : 0;
+}
+
+/* out[i, :] = W[rows[i], :] dequantized (rows NULL: rows 0..n-1), float32 or bf16. */
+int quant_dequantize(const void *w, int fmt, int64_t k, const int64_t *rows, int64_t n, void *out,
+                     int out_bf16, int num_threads) {
+    if (!shape_ok(fmt, k)) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int8_t *q = malloc((size_t)k + 64);
+        float *scale = malloc(sizeof(float) * (size_t)(k / CHUNK));
+        float *offset = malloc(sizeof(float) * (size_t)(k / CHUNK));
+        if (!q || !scale || !offset) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n; i++) {
+                decode_row(fmt, (const uint8_t *)w, rows ? rows[i] : i, k, q, scale, offset);
+                for (int64_t c = 0; c < k / CHUNK; c++) {
+                    const vf s = vset1(scale[c]), o = vset1(offset[c]);
+                    for (int v = 0; v < CHUNK; v += VL) {
+                        const vf wv = vfma(vload_i8(q + c * CHUNK + v), s, o);
+                        vstore_as(out, i * k + c * CHUNK + v, wv, out_bf16);
+                    }
+                }
+            }
+        }
+        free(q);
+        free(scale);
+        free(offset);
+    }
+    return failed ? -2 : 0;
+}

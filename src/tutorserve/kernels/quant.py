@@ -1,0 +1,80 @@
+"""Matmul and dequantization on GGUF-quantized weight rows (`quant.c`), for the formats in
+`FORMATS` (ggml type id → weights per block, bytes per block)."""
+
+from __future__ import annotations
+
+import torch
+
+from tutorserve.kernels import isa
+from tutorserve.kernels.build import DTYPES, Kernels
+
+FORMATS = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
+
+
+def available() -> bool:
+    return isa.active() is not None
+
+
+def matmul(
+    blocks: torch.Tensor, fmt: str, k: int, x: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [B, k] float32 @ W^T, W the rows of `blocks` ([n, bytes per row] uint8) → [B, n]
+    float32; written into `out` (a [B, n] view, rows may be further apart) when given."""
+    n = blocks.shape[0]
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        raise ValueError("quant matmul takes float32 activations with contiguous rows")
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    with torch.profiler.record_function(f"tutorserve::quant_matmul_{fmt}"):
+        status = _kernels().lib.quant_matmul(
+            blocks.data_ptr(), FORMATS[fmt][0], n, k, x.data_ptr(), x.shape[0], x.stride(0),
+            out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+    _check(status, fmt, k)
+    return out
+
+
+def dequantize(
+    blocks: torch.Tensor,
+    fmt: str,
+    k: int,
+    dtype: torch.dtype = torch.float32,
+    rows: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The weight rows (all, or those `rows` names) as a [n, k] tensor of `dtype`."""
+    ids = None if rows is None else rows.to(torch.int64).contiguous()
+    n = blocks.shape[0] if ids is None else ids.numel()
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype)
+    if out.dtype not in DTYPES or not out.is_contiguous():
+        raise ValueError("quant dequantize writes contiguous float32 or bfloat16")
+    status = _kernels().lib.quant_dequantize(
+        blocks.data_ptr(), FORMATS[fmt][0], k, None if ids is None else ids.data_ptr(), n,
+        out.data_ptr(), DTYPES[out.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    _check(status, fmt, k)
+    return out
+
+
+def _check(status: int, fmt: str, k: int) -> None:
+    if status == -1:
+        raise ValueError(f"{fmt} rows of {k} weights are not whole blocks")
+    if status != 0:
+        raise MemoryError("quant kernel could not allocate its row buffers")
+
+
+def _kernels() -> Kernels:
+    kernels = isa.active()
+    if kernels is None:
+        raise ValueError("the CPU quant kernels are not available")
+    return kernels

@@ -1,0 +1,7 @@
+"""Quantized weights served as they are: GGUF block formats kept in memory (`QuantWeight`), and
+the linear and embedding layers that compute on them (`QuantLinear`, `QuantEmbedding`)."""
+
+from tutorserve.quant.layers import QuantEmbedding, QuantLinear, Scratch
+from tutorserve.quant.weight import QuantWeight
+
+__all__ = ["QuantEmbedding", "QuantLinear", "QuantWeight", "Scratch"]

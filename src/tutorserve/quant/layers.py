@@ -1,0 +1,112 @@
+"""Linear and embedding layers over quantized weights, for CPUs with our kernels.
+
+A decode-sized batch multiplies on the blocks directly (`kernels/quant.c`: each row decoded
+once, then dotted with every activation row), reading 4-8 bits per weight instead of 16-32. A
+prefill-sized batch is compute-bound instead: its rows are dequantized into a scratch buffer the
+model's layers share, and PyTorch's GEMM runs on that, so prefill keeps its speed and no layer
+holds a float copy of its weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tutorserve.kernels import quant
+from tutorserve.quant.weight import QuantWeight
+
+# Above this many rows the blocks are dequantized for PyTorch's GEMM (measured crossover,
+# docs/benchmarks/quantization.md).
+GEMV_ROWS = 8
+
+
+class Scratch:
+    """One buffer for the dequantized weight of whichever layer runs now."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0)
+
+    def take(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._buf.dtype != dtype or self._buf.numel() < rows * cols:
+            self._buf = torch.empty(rows * cols, dtype=dtype)
+        return self._buf[: rows * cols].view(rows, cols)
+
+
+def _blocks(w: QuantWeight) -> nn.Parameter:
+    # A frozen parameter, so that `.to(dtype)` leaves it alone and the KV fingerprint samples it.
+    return nn.Parameter(w.blocks, requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W given as parts stacked along the output (a fused qkv may mix
+    formats: Q4_K_M files keep v in Q6_K)."""
+
+    def __init__(
+        self, parts: list[QuantWeight], bias: torch.Tensor | None, scratch: Scratch
+    ) -> None:
+        super().__init__()
+        self.in_features = parts[0].in_features
+        if any(p.in_features != self.in_features for p in parts):
+            raise ValueError("the parts of a fused linear must take the same inputs")
+        self.fmts = [p.fmt for p in parts]
+        self.out_features = sum(p.out_features for p in parts)
+        self.blocks = nn.ParameterList(_blocks(p) for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.scratch = scratch
+
+    def _parts(self) -> list[tuple[QuantWeight, int]]:
+        out, start = [], 0
+        for blocks, fmt in zip(self.blocks, self.fmts, strict=True):
+            out.append((QuantWeight(blocks.data, fmt, self.in_features), start))
+            start += blocks.shape[0]
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > GEMV_ROWS:
+            w = self.scratch.take(self.out_features, self.in_features, x.dtype)
+            for part, start in self._parts():
+                quant.dequantize(
+                    part.blocks,
+                    part.fmt,
+                    self.in_features,
+                    out=w[start : start + part.out_features],
+                )
+            y = F.linear(rows, w, self.bias)
+        else:
+            xf = rows.float().contiguous()
+            y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+            for part, start in self._parts():
+                quant.matmul(
+                    part.blocks,
+                    part.fmt,
+                    self.in_features,
+                    xf,
+                    y[:, start : start + part.out_features],
+                )
+            if self.bias is not None:
+                y += self.bias
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, formats={self.fmts}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings looked up from quantized rows (a tied LM head shares the weight)."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.blocks = _blocks(weight)
+        self.fmt, self.embedding_dim, self.dtype = weight.fmt, weight.in_features, dtype
+
+    def weight(self) -> QuantWeight:
+        return QuantWeight(self.blocks.data, self.fmt, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = quant.dequantize(
+            self.blocks, self.fmt, self.embedding_dim, self.dtype, rows=ids.reshape(-1)
+        )
+        return flat.view(*ids.shape, self.embedding_dim)

@@ -1,0 +1,177 @@
+"""Quantized weights: the block kernels against gguf's own dequantizer and a float64 matmul at
+every ISA level the CPU runs; the quantized layers against PyTorch on the dequantized weight; and
+the default model served on its Q4_1 blocks against the same model dequantized."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, quants
+from torch import nn
+
+from quantkit import forward_logits, perplexity
+from tutorserve import LLM, SamplingParams
+from tutorserve.kernels import quant
+from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch
+from tutorserve.quant.layers import GEMV_ROWS
+
+FORMATS = list(quant.FORMATS)
+WRITABLE = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]  # the formats gguf can quantize to
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Blocks of random bits with small finite fp16 scales: every code a block can hold."""
+    _, group, nbytes = quant.FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // group, nbytes), dtype=np.uint8)
+
+    def put(offset: int, low: float, high: float) -> None:
+        half = rng.uniform(low, high, (n, k // group)).astype(np.float16)
+        raw[:, :, offset : offset + 2] = half.view(np.uint8).reshape(n, k // group, 2)
+
+    if fmt in ("Q4_K", "Q5_K"):
+        put(0, 1e-3, 1e-2)
+        put(2, 1e-3, 1e-2)
+    elif fmt == "Q6_K":
+        put(208, 1e-3, 1e-2)
+    else:
+        put(0, -1e-2, 1e-2)
+        if fmt in ("Q4_1", "Q5_1"):
+            put(2, -5e-2, 5e-2)
+    return raw.reshape(n, -1)
+
+
+def reference(blocks: np.ndarray, fmt: str) -> np.ndarray:
+    return quants.dequantize(blocks, GGMLQuantizationType[fmt]).astype(np.float64)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_match_gguf_dequantize_and_a_float64_matmul(cpu_isa, fmt):
+    k = 512 if quant.FORMATS[fmt][1] == 256 else 96  # whole blocks, an odd count of them
+    blocks = random_blocks(fmt, 67, k)
+    ref = reference(blocks, fmt)
+    w = torch.from_numpy(blocks)
+    assert np.array_equal(quant.dequantize(w, fmt, k).numpy(), ref.astype(np.float32))
+    rows = torch.tensor([66, 0, 5, 5])
+    assert torch.equal(quant.dequantize(w, fmt, k, rows=rows), torch.from_numpy(ref[rows]).float())
+    bf16 = quant.dequantize(w, fmt, k, torch.bfloat16)
+    assert torch.equal(bf16, torch.from_numpy(ref).float().bfloat16())
+    for batch in (1, 3, 4, 5, 17):  # below, at and above the kernel's tile of 4 rows
+        x = torch.randn(batch, k)
+        y = quant.matmul(w, fmt, k, x).double().numpy()
+        want = x.double().numpy() @ ref.T
+        np.testing.assert_allclose(y, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_matmul_writes_a_column_slice_and_refuses_partial_blocks(cpu_isa):
+    blocks = torch.from_numpy(random_blocks("Q4_1", 8, 64))
+    x = torch.randn(2, 64)
+    out = torch.zeros(2, 20)
+    quant.matmul(blocks, "Q4_1", 64, x, out[:, 6:14])
+    want = x.double() @ torch.from_numpy(reference(blocks.numpy(), "Q4_1")).T
+    assert torch.allclose(out[:, 6:14].double(), want, atol=1e-5)
+    assert out[:, :6].abs().sum() == 0 and out[:, 14:].abs().sum() == 0
+    with pytest.raises(ValueError, match="not whole blocks"):
+        quant.matmul(blocks, "Q4_1", 48, torch.randn(1, 48))
+    with pytest.raises(ValueError, match="need whole blocks of 32"):
+        QuantWeight(blocks, "Q4_1", 48)
+    with pytest.raises(ValueError, match="unsupported quantization IQ2_XS"):
+        QuantWeight(blocks, "IQ2_XS", 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, GEMV_ROWS, GEMV_ROWS + 1, 40])
+def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weight(rows, dtype):
+    """q and k in Q4_K, v in Q6_K, as a Q4_K_M file keeps them; decode-sized and prefill-sized
+    batches take different paths."""
+    parts = [
+        QuantWeight(torch.from_numpy(random_blocks(f, n, 256, seed=i)), f, 256)
+        for i, (f, n) in enumerate([("Q4_K", 48), ("Q4_K", 16), ("Q6_K", 16)])
+    ]
+    bias = torch.randn(80)
+    layer = QuantLinear(parts, bias, Scratch()).to(dtype)
+    w = torch.cat([torch.from_numpy(reference(p.blocks.numpy(), p.fmt)) for p in parts])
+    x = torch.randn(rows, 256).to(dtype)
+    want = F.linear(x.double(), w, bias.to(dtype).double())
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, 80)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (got.double() - want).abs().max() <= tol * want.abs().max()
+
+
+def test_embedding_rows_and_a_tied_head_read_the_same_blocks():
+    w = QuantWeight(torch.from_numpy(random_blocks("Q8_0", 50, 64)), "Q8_0", 64)
+    emb = QuantEmbedding(w, torch.float32)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    ref = torch.from_numpy(reference(w.blocks.numpy(), "Q8_0")).float()
+    assert torch.equal(emb(ids), ref[ids])
+    head = QuantLinear([emb.weight()], None, Scratch())
+    assert head.blocks[0].data_ptr() == emb.blocks.data_ptr()  # one copy of the weight
+
+
+@pytest.mark.parametrize(("at_load", "bound"), [("int8", 0.002), ("int4", 0.05)])
+def test_quantizing_a_checkpoint_at_load(synth_llama, at_load, bound):
+    """Perplexity of the quantized synthetic model on its own float32 greedy text stays within
+    `bound` of the float32 model's. The linears become quantized layers of the chosen format,
+    except down_proj, whose 176 inputs are not whole blocks of 32: it stays float."""
+    plain = LLM(synth_llama, dtype="float32", quantization="none")
+    quantized = LLM(synth_llama, dtype="float32", quantization=at_load)
+    fmt = {"int8": "Q8_0", "int4": "Q4_1"}[at_load]
+    model = quantized.engine.model
+    assert model.config.intermediate_size % 32
+    for layer in model.layers:
+        linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj]
+        assert all(isinstance(m, QuantLinear) and m.fmts == [fmt] * len(m.fmts) for m in linears)
+        assert isinstance(layer.mlp.down_proj, nn.Linear)
+    prompt = list(range(5, 25))
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    text = prompt + plain.generate([prompt], sp)[0].token_ids
+    ppl = [perplexity(m.engine.model, text) for m in (plain, quantized)]
+    assert abs(ppl[1] / ppl[0] - 1) < bound, ppl
+
+
+HELD_TEXT = (
+    "Photosynthesis is the process by which green plants, algae and some bacteria turn light "
+    "energy into chemical energy. In the leaves, chlorophyll absorbs sunlight, and the plant uses "
+    "that energy to combine carbon dioxide from the air with water from the soil, making glucose "
+    "and releasing oxygen. The glucose feeds the plant's growth, and the oxygen is what animals "
+    "breathe. A student who remembers one sentence should remember this: plants make their own "
+    "food from light, water and air."
+)
+
+
+@pytest.mark.slow
+def test_the_default_model_on_its_q4_1_blocks_matches_itself_dequantized():
+    quantized = LLM(
+        "smollm2-135m-instruct", dtype="float32", quantization="auto", kv_cache_bytes=256 << 20
+    )
+    plain = LLM(
+        "smollm2-135m-instruct", dtype="float32", quantization="none", kv_cache_bytes=256 << 20
+    )
+    assert any(isinstance(m, QuantLinear) for m in quantized.engine.model.modules())
+    ids = quantized.tokenizer.encode(HELD_TEXT)
+    # One token a step, as decoding computes them: the matmuls run on the blocks themselves
+    # (a longer chunk multiplies their exact dequantization with PyTorch's GEMM).
+    la = forward_logits(quantized.engine.model, ids, chunk=1).double()
+    lb = forward_logits(plain.engine.model, ids).double()
+    top1 = (la.argmax(-1) == lb.argmax(-1)).double().mean().item()
+    delta = (la - lb).abs().mean().item()
+    print(f"top-1 agreement {top1:.4f}, mean |dlogit| {delta:.2e}")
+    assert top1 >= 0.99, (top1, delta)
+    ppl = [perplexity(quantized.engine.model, ids, chunk=1), perplexity(plain.engine.model, ids)]
+    assert abs(ppl[0] / ppl[1] - 1) < 0.01, ppl
+    prefill = forward_logits(quantized.engine.model, ids).double()
+    assert torch.equal(prefill, lb)
+    prompts = [
+        quantized.render_chat([{"role": "user", "content": q}])
+        for q in ("Explain what photosynthesis is in one sentence.", "What is a prime number?",
+                  "Give one tip for learning vocabulary.", "What is 3/4 + 1/8?")
+    ]  # fmt: skip
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    same = [
+        a.token_ids == b.token_ids
+        for a, b in zip(quantized.generate(prompts, sp), plain.generate(prompts, sp), strict=True)
+    ]
+    assert sum(same) >= 3, same  # a near-tie may flip one reply's token; most are identical
