@@ -2,6 +2,7 @@
 batch equals its requests run one by one; more adapters than slots are paged; bad adapters get
 clear errors."""
 
+import copy
 import json
 import random
 
@@ -9,12 +10,14 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from tutorserve import LLM, SamplingParams
 from tutorserve.engine.kv_cache_manager import hash_block
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
+from tutorserve.quant import QuantWeight
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 # (rank, targets): mixed ranks, attention-only, MLP-only and everything.
@@ -193,3 +196,19 @@ def test_qwen2_with_biases_matches_peft(synth_qwen2, tmp_path, hf_greedy):
     want = hf_greedy(PeftModel.from_pretrained(model, path).eval(), prompt, GREEDY.max_tokens)
     llm = lora_llm(synth_qwen2, {"qwen": path})
     assert llm.generate(prompt, GREEDY, lora="qwen")[0].token_ids == want[0]
+
+
+def test_adapters_on_an_int8_base_match_peft_on_its_dequantized_weights(
+    synth_llama, adapters, prompts, hf_greedy
+):
+    """The low-rank part stays float over a quantized base: the reference is peft over the
+    base's linears as the int8 path holds them (whole blocks of 32 quantized, the rest float)."""
+    base = AutoModelForCausalLM.from_pretrained(synth_llama, dtype=torch.float32)
+    for name, mod in base.named_modules():
+        if isinstance(mod, nn.Linear) and name.endswith("_proj") and mod.in_features % 32 == 0:
+            mod.weight.data = QuantWeight.quantize(mod.weight.data, "Q8_0").dequantize()
+    llm = lora_llm(synth_llama, adapters, quantization="int8")
+    for i in (1, 3):
+        ref = PeftModel.from_pretrained(copy.deepcopy(base), adapters[f"lora{i}"]).eval()
+        want = hf_greedy(ref, [prompts[i]], GREEDY.max_tokens)[0]
+        assert llm.generate([prompts[i]], GREEDY, lora=f"lora{i}")[0].token_ids == want

@@ -129,6 +129,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", **DTYPE_ARG)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=25, help="profiler table rows")
+    p.add_argument("--batch", type=int, default=64, help="requests decoding together (≤ 64)")
+    add_engine_args(p, only=("quantization",))
     p.set_defaults(func=cmd_profile_decode)
 
 
@@ -484,7 +486,7 @@ def cmd_roofline(a: argparse.Namespace) -> int:
 def cmd_profile_decode(a: argparse.Namespace) -> int:
     from tutorserve.bench.profile import profile_decode
 
-    print(profile_decode(a.model, a.dtype, a.steps, a.rows))
+    print(profile_decode(a.model, a.dtype, a.steps, a.rows, a.batch, a.quantization))
     return 0
 
 

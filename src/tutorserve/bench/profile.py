@@ -1,7 +1,7 @@
 """`tutorserve bench profile-decode`: where a decode step's time goes.
 
-Loads the offline workload (64 students of 8 courses, ~1,100-token prompts), runs until every
-request is decoding, then profiles a few decode steps at batch 64 with `torch.profiler`.
+Loads the offline workload (64 students of 8 courses, ~1,100-token prompts; `batch` of them),
+runs until every request is decoding, then profiles a few decode steps with `torch.profiler`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from tutorserve import LLM, SamplingParams
 from tutorserve.bench.workloads import edu_shared_prefix
 
 
-def profile_decode(model: str, dtype: str, steps: int, rows: int) -> str:
-    llm = LLM(model, dtype=dtype)
+def profile_decode(
+    model: str, dtype: str, steps: int, rows: int, batch: int = 64, quantization: str = "none"
+) -> str:
+    llm = LLM(model, dtype=dtype, quantization=quantization)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
-    for i, r in enumerate(edu_shared_prefix(llm.tokenizer, seed=1)):
+    for i, r in enumerate(edu_shared_prefix(llm.tokenizer, seed=1)[:batch]):
         engine.add_request(f"p{i}", r.prompt_token_ids, params)
     sched = engine.scheduler
     while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):

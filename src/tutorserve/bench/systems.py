@@ -71,7 +71,9 @@ class ServeSpec:
         return ["--host", "127.0.0.1", "--port", str(self.port)]
 
 
-def tutorserve_server(name: str, s: ServeSpec, tiers: bool = True) -> System:
+def tutorserve_server(
+    name: str, s: ServeSpec, tiers: bool = True, quantization: str = "none"
+) -> System:
     # A fresh disk tier per run: one left by an earlier run would flatter this one.
     kv = ["--kv-disk-dir", tempfile.mkdtemp(prefix="bench-kv-")]
     if not tiers:
@@ -79,7 +81,7 @@ def tutorserve_server(name: str, s: ServeSpec, tiers: bool = True) -> System:
     argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--model", s.files.gguf,
             "--served-model-name", s.files.name, "--dtype", s.dtype, "--max-num-seqs",
             str(s.max_num_seqs), "--kv-cache-gb", f"{s.kv_cache_gb:g}", *kv, "--max-waiting",
-            "100000", *s.listen]  # fmt: skip
+            "100000", "--quantization", quantization, *s.listen]  # fmt: skip
     return System(name, argv)
 
 

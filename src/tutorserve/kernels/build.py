@@ -57,6 +57,14 @@ _SIGNATURES = {
 }
 
 
+def traced(name: str) -> contextlib.AbstractContextManager:
+    """A profiler scope named `name` while torch.profiler records, else nothing: entering a
+    `record_function` costs ~10 µs, which hundreds of kernel calls a decode step cannot pay."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """One ISA level's library, its functions declared (each returns 0, or -1 for a shape the

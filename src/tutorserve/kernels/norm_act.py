@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tutorserve.kernels import isa
-from tutorserve.kernels.build import DTYPES, Kernels
+from tutorserve.kernels.build import DTYPES, Kernels, traced
 
 
 def supports(x: torch.Tensor, width: int) -> bool:
@@ -34,7 +34,7 @@ def add_rms_norm(
         raise ValueError("add_rms_norm needs a contiguous residual shaped like x")
     out = torch.empty_like(x)
     rows, n = x.numel() // x.shape[-1], x.shape[-1]
-    with torch.profiler.record_function("tutorserve::add_rms_norm"):
+    with traced("tutorserve::add_rms_norm"):
         status = kernels.lib.add_rms_norm(
             x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
             out.data_ptr(), rows, n, eps, DTYPES[x.dtype], torch.get_num_threads(),
@@ -49,7 +49,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     kernels = _kernels()
     n = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
-    with torch.profiler.record_function("tutorserve::silu_mul"):
+    with traced("tutorserve::silu_mul"):
         status = kernels.lib.silu_mul(
             gate_up.data_ptr(), out.data_ptr(), out.numel() // n, n, DTYPES[gate_up.dtype],
             torch.get_num_threads(),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tutorserve.kernels import isa
-from tutorserve.kernels.build import DTYPES
+from tutorserve.kernels.build import DTYPES, traced
 
 MAX_HEAD_DIM = 256
 
@@ -60,7 +60,7 @@ def paged_attention(
     causal = None if causal is None else causal.contiguous()
     out = torch.empty(sets, kvh, nq, dim, dtype=torch.float32)
     lse = torch.empty(sets, kvh, nq, dtype=torch.float32)
-    with torch.profiler.record_function("tutorserve::paged_attention"):  # named in profiles
+    with traced("tutorserve::paged_attention"):  # named in profiles
         status = kernels.lib.paged_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), None if causal is None else causal.data_ptr(), sets, kvh, nq,

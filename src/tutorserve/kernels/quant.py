@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tutorserve.kernels import isa
-from tutorserve.kernels.build import DTYPES, Kernels
+from tutorserve.kernels.build import DTYPES, Kernels, traced
 
 FORMATS = {
     "Q4_0": (2, 32, 18),
@@ -34,7 +34,7 @@ def matmul(
         raise ValueError("quant matmul takes float32 activations with contiguous rows")
     if out is None:
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    with torch.profiler.record_function(f"tutorserve::quant_matmul_{fmt}"):
+    with traced(f"tutorserve::quant_matmul_{fmt}"):
         status = _kernels().lib.quant_matmul(
             blocks.data_ptr(), FORMATS[fmt][0], n, k, x.data_ptr(), x.shape[0], x.stride(0),
             out.data_ptr(), out.stride(0), torch.get_num_threads(),

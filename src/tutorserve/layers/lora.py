@@ -60,22 +60,29 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 class LoRALinear(nn.Module):
     def __init__(
-        self, base: nn.Linear, parts: list[tuple[str, int]], num_slots: int, max_rank: int
+        self,
+        base: nn.Module,
+        parts: list[tuple[str, int]],
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
-        """`parts`: the fused output's sub-projections in order, as (PEFT name, out features)."""
+        """`base`: a linear with `in_features` (plain, or quantized: the low-rank part stays in
+        the activations' `dtype` either way); `parts`: the fused output's sub-projections in
+        order, as (PEFT name, out features)."""
         super().__init__()
         self.base = base
         self.names = [name for name, _ in parts]
         self.rank = -(-max_rank // 8) * 8  # keeps every stride 16-byte aligned
-        w = base.weight
         # Buffers, not parameters: state, not weights (the KV fingerprint samples weights).
         self.register_buffer(
             "lora_a",
-            torch.zeros(num_slots + 1, w.shape[1], len(parts) * self.rank, dtype=w.dtype,
-                        device=w.device),
+            torch.zeros(num_slots + 1, base.in_features, len(parts) * self.rank, dtype=dtype,
+                        device=device),
         )  # fmt: skip
         for j, (_, size) in enumerate(parts):
-            b = torch.zeros(num_slots + 1, self.rank, size, dtype=w.dtype, device=w.device)
+            b = torch.zeros(num_slots + 1, self.rank, size, dtype=dtype, device=device)
             self.register_buffer(f"lora_b{j}", b)
         ends = list(accumulate(size for _, size in parts))
         self.spans = list(zip([0, *ends[:-1]], ends, strict=True))

@@ -26,12 +26,16 @@ def wrap_model(
     them by (layer, module)."""
     cfg: ModelConfig = model.config  # type: ignore[assignment]
     packed = model.arch.packed(cfg)  # type: ignore[attr-defined]
+    activations = model.norm.weight  # type: ignore[attr-defined]  # the model's dtype, device
     out = {}
     for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
         for path, parts in packed.items():
             parent_name, name = path.split(".")
             parent = getattr(layer, parent_name)
-            wrapped = LoRALinear(getattr(parent, name), parts, num_slots, max_rank)
+            wrapped = LoRALinear(
+                getattr(parent, name), parts, num_slots, max_rank, activations.dtype,
+                activations.device,
+            )  # fmt: skip
             setattr(parent, name, wrapped)
             out[i, name] = wrapped
     return out

@@ -18,7 +18,7 @@ from tutorserve.quant.weight import QuantWeight
 
 # Above this many rows the blocks are dequantized for PyTorch's GEMM (measured crossover,
 # docs/benchmarks/quantization.md).
-GEMV_ROWS = 8
+GEMV_ROWS = 12
 
 
 class Scratch:
@@ -49,42 +49,40 @@ class QuantLinear(nn.Module):
         self.in_features = parts[0].in_features
         if any(p.in_features != self.in_features for p in parts):
             raise ValueError("the parts of a fused linear must take the same inputs")
-        self.fmts = [p.fmt for p in parts]
-        self.out_features = sum(p.out_features for p in parts)
-        self.blocks = nn.ParameterList(_blocks(p) for p in parts)
+        # Neighbours of one format become one matrix: one kernel call each instead of per part.
+        merged: list[QuantWeight] = []
+        for p in parts:
+            if merged and merged[-1].fmt == p.fmt:
+                rows = torch.cat([merged[-1].blocks, p.blocks])
+                merged[-1] = QuantWeight(rows, p.fmt, self.in_features)
+            else:
+                merged.append(p)
+        self.fmts = [p.fmt for p in merged]
+        self.out_features = sum(p.out_features for p in merged)
+        self.blocks = nn.ParameterList(_blocks(p) for p in merged)
+        self._plan = self._parts()
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.scratch = scratch
 
-    def _parts(self) -> list[tuple[QuantWeight, int]]:
+    def _parts(self) -> list[tuple[torch.Tensor, str, slice]]:
         out, start = [], 0
         for blocks, fmt in zip(self.blocks, self.fmts, strict=True):
-            out.append((QuantWeight(blocks.data, fmt, self.in_features), start))
+            out.append((blocks, fmt, slice(start, start + blocks.shape[0])))
             start += blocks.shape[0]
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+        rows, k = x.reshape(-1, self.in_features), self.in_features
         if rows.shape[0] > GEMV_ROWS:
-            w = self.scratch.take(self.out_features, self.in_features, x.dtype)
-            for part, start in self._parts():
-                quant.dequantize(
-                    part.blocks,
-                    part.fmt,
-                    self.in_features,
-                    out=w[start : start + part.out_features],
-                )
+            w = self.scratch.take(self.out_features, k, x.dtype)
+            for blocks, fmt, cols in self._plan:
+                quant.dequantize(blocks, fmt, k, out=w[cols])
             y = F.linear(rows, w, self.bias)
         else:
             xf = rows.float().contiguous()
             y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-            for part, start in self._parts():
-                quant.matmul(
-                    part.blocks,
-                    part.fmt,
-                    self.in_features,
-                    xf,
-                    y[:, start : start + part.out_features],
-                )
+            for blocks, fmt, cols in self._plan:
+                quant.matmul(blocks, fmt, k, xf, y[:, cols])
             if self.bias is not None:
                 y += self.bias
             y = y.to(x.dtype)

@@ -1,0 +1,91 @@
+"""The quantized-weight pieces alone, in one process.
+
+    .venv/bin/python bench/quant_kernels.py matmul   # block matmul vs PyTorch, SmolLM2's shapes
+    .venv/bin/python bench/quant_kernels.py memory   # weights and resident growth per loading
+
+`matmul`: one `kernels.quant.matmul` call per shape, format and batch against PyTorch's matmul
+on the same weight in float32 and bf16 (median of 200 calls; the thread count is PyTorch's).
+`memory`: SmolLM2 loaded with each `--quantization`/dtype in a fresh process; weights counted
+once per storage, and the process's resident growth across the load.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from gguf import GGMLQuantizationType, quants
+
+SHAPES = [(3072, 576), (576, 1536), (49152, 576)]  # gate/up, down, LM head
+
+
+def _median_us(fn, n: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def matmul() -> None:
+    from tutorserve.kernels import isa, quant
+
+    print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}")
+    print(
+        "| shape | format | batch | blocks µs | float32 µs | bf16 µs |\n|---|---|---|---|---|---|"
+    )
+    for n, k in SHAPES:
+        w = torch.randn(n, k) * 0.02
+        wb = w.bfloat16()
+        for fmt in ("Q4_1", "Q8_0"):
+            blocks = torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType[fmt]))
+            for batch in (1, 4, 8):
+                x = torch.randn(batch, k)
+                xb = x.bfloat16()
+                reps = 50 if n > 10_000 else 200
+                q = _median_us(lambda: quant.matmul(blocks, fmt, k, x), reps)  # noqa: B023
+                f = _median_us(lambda: x @ w.T, reps)  # noqa: B023
+                b = _median_us(lambda: xb @ wb.T, reps)  # noqa: B023
+                print(f"| {n}×{k} | {fmt} | {batch} | {q:.0f} | {f:.0f} | {b:.0f} |")
+
+
+def _load(quantization: str, dtype: str) -> None:
+    import os
+
+    from tutorserve.models.loader import load_model
+
+    def rss() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    before = rss()
+    model, _ = load_model("smollm2-135m-instruct", getattr(torch, dtype), torch.device("cpu"),
+                          quantization)  # fmt: skip
+    weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    print(f"| {quantization}, {dtype} | {sum(weights.values()) / 2**20:.1f} MiB "
+          f"| {rss() - before:.0f} MiB |")  # fmt: skip
+
+
+def memory() -> None:
+    print("| loading | weights | resident growth |\n|---|---|---|")
+    for q, dtype in (("auto", "bfloat16"), ("none", "bfloat16"), ("none", "float32")):
+        subprocess.run([sys.executable, __file__, "_load", q, dtype], check=True,
+                       stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else ""
+    if what == "matmul":
+        matmul()
+    elif what == "memory":
+        memory()
+    elif what == "_load":
+        _load(*sys.argv[2:4])
+    else:
+        sys.exit(__doc__)
