@@ -65,6 +65,16 @@ def traced(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+# Below this many elements a kernel runs on the calling thread: waking the OpenMP team costs
+# more than it saves, and on a busy box each parallel region also waits for its slowest
+# thread, which the event loop may have preempted (docs/benchmarks/quantization.md).
+PARALLEL_WORK = 1 << 15
+
+
+def threads_for(work: int) -> int:
+    return torch.get_num_threads() if work >= PARALLEL_WORK else 1
+
+
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """One ISA level's library, its functions declared (each returns 0, or -1 for a shape the

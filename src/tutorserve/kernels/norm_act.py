@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tutorserve.kernels import isa
-from tutorserve.kernels.build import DTYPES, Kernels, traced
+from tutorserve.kernels.build import DTYPES, Kernels, threads_for, traced
 
 
 def supports(x: torch.Tensor, width: int) -> bool:
@@ -37,7 +37,7 @@ def add_rms_norm(
     with traced("tutorserve::add_rms_norm"):
         status = kernels.lib.add_rms_norm(
             x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-            out.data_ptr(), rows, n, eps, DTYPES[x.dtype], torch.get_num_threads(),
+            out.data_ptr(), rows, n, eps, DTYPES[x.dtype], threads_for(rows * n),
         )  # fmt: skip
     if status != 0:
         raise ValueError(f"add_rms_norm cannot run rows of {n}")
@@ -52,7 +52,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     with traced("tutorserve::silu_mul"):
         status = kernels.lib.silu_mul(
             gate_up.data_ptr(), out.data_ptr(), out.numel() // n, n, DTYPES[gate_up.dtype],
-            torch.get_num_threads(),
+            threads_for(out.numel()),
         )  # fmt: skip
     if status != 0:
         raise ValueError(f"silu_mul cannot run rows of {n}")
