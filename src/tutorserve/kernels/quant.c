@@ -23,7 +23,7 @@
 #include "simd.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-enum { CHUNK = 16, MAX_GROUP = 256, BATCH_TILE = 4 };
+enum { CHUNK = 16, BATCH_TILE = 4 };
 
 /* An IEEE half at p (unaligned, little-endian) as float32: one instruction where F16C or
  * NEON has it, bit manipulation in the scalar build. */
@@ -220,6 +220,25 @@ static int shape_ok(int fmt, int64_t k) {
     return g != 0 && k % g == 0;
 }
 
+/* One thread's decoded row: codes (padded: NEON's vload_i8 reads 8 bytes), scales, offsets. */
+typedef struct {
+    int8_t *q;
+    float *scale, *offset;
+} RowBuf;
+
+static int row_buf_alloc(RowBuf *b, int64_t k) {
+    b->q = malloc((size_t)k + 64);
+    b->scale = malloc(sizeof(float) * (size_t)(k / CHUNK));
+    b->offset = malloc(sizeof(float) * (size_t)(k / CHUNK));
+    return b->q && b->scale && b->offset;
+}
+
+static void row_buf_free(RowBuf *b) {
+    free(b->q);
+    free(b->scale);
+    free(b->offset);
+}
+
 /* y = x W^T: W [n, k] quantized rows of `fmt`; x [batch, k] float32 rows ldx apart; y [batch,
  * n] float32 rows ldy apart (a column slice of a wider output when ldy > n). */
 int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const float *x, int64_t batch,
@@ -228,10 +247,8 @@ int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const float *x, i
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        int8_t *q = malloc((size_t)k + 64);
-        float *scale = malloc(sizeof(float) * (size_t)(k / CHUNK));
-        float *offset = malloc(sizeof(float) * (size_t)(k / CHUNK));
-        if (!q || !scale || !offset) {
+        RowBuf buf;
+        if (!row_buf_alloc(&buf, k)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -239,18 +256,16 @@ int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const float *x, i
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < n; r++) {
-                decode_row(fmt, (const uint8_t *)w, r, k, q, scale, offset);
+                decode_row(fmt, (const uint8_t *)w, r, k, buf.q, buf.scale, buf.offset);
                 for (int64_t b0 = 0; b0 < batch; b0 += BATCH_TILE) {
                     const int64_t rows = batch - b0 < BATCH_TILE ? batch - b0 : BATCH_TILE;
                     float out[BATCH_TILE];
-                    dot_tile(q, scale, offset, k, x + b0 * ldx, ldx, rows, out);
+                    dot_tile(buf.q, buf.scale, buf.offset, k, x + b0 * ldx, ldx, rows, out);
                     for (int64_t b = 0; b < rows; b++) y[(b0 + b) * ldy + r] = out[b];
                 }
             }
         }
-        free(q);
-        free(scale);
-        free(offset);
+        row_buf_free(&buf);
     }
     return failed ? -2 : 0;
 }
@@ -262,10 +277,8 @@ int quant_dequantize(const void *w, int fmt, int64_t k, const int64_t *rows, int
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        int8_t *q = malloc((size_t)k + 64);
-        float *scale = malloc(sizeof(float) * (size_t)(k / CHUNK));
-        float *offset = malloc(sizeof(float) * (size_t)(k / CHUNK));
-        if (!q || !scale || !offset) {
+        RowBuf buf;
+        if (!row_buf_alloc(&buf, k)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -273,19 +286,18 @@ int quant_dequantize(const void *w, int fmt, int64_t k, const int64_t *rows, int
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < n; i++) {
-                decode_row(fmt, (const uint8_t *)w, rows ? rows[i] : i, k, q, scale, offset);
+                decode_row(fmt, (const uint8_t *)w, rows ? rows[i] : i, k, buf.q, buf.scale,
+                           buf.offset);
                 for (int64_t c = 0; c < k / CHUNK; c++) {
-                    const vf s = vset1(scale[c]), o = vset1(offset[c]);
+                    const vf s = vset1(buf.scale[c]), o = vset1(buf.offset[c]);
                     for (int v = 0; v < CHUNK; v += VL) {
-                        const vf wv = vfma(vload_i8(q + c * CHUNK + v), s, o);
+                        const vf wv = vfma(vload_i8(buf.q + c * CHUNK + v), s, o);
                         vstore_as(out, i * k + c * CHUNK + v, wv, out_bf16);
                     }
                 }
             }
         }
-        free(q);
-        free(scale);
-        free(offset);
+        row_buf_free(&buf);
     }
     return failed ? -2 : 0;
 }

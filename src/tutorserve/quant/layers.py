@@ -1,10 +1,12 @@
 """Linear and embedding layers over quantized weights, for CPUs with our kernels.
 
-A decode-sized batch multiplies on the blocks directly (`kernels/quant.c`: each row decoded
-once, then dotted with every activation row), reading 4-8 bits per weight instead of 16-32. A
-prefill-sized batch is compute-bound instead: its rows are dequantized into a scratch buffer the
-model's layers share, and PyTorch's GEMM runs on that, so prefill keeps its speed and no layer
-holds a float copy of its weight.
+Up to `GEMV_ROWS` rows multiply on the blocks directly (`kernels/quant.c`: each row decoded
+once, then dotted with every activation row), reading 4.5-8.5 bits per weight instead of 16-32.
+More rows (prefill chunks, large decode batches) are compute-bound instead: the weight is
+dequantized into a scratch buffer the model's layers share, and PyTorch's GEMM runs on that.
+No layer keeps a float copy, but the buffer grows to the largest weight used that way (the LM
+head's, when more than `GEMV_ROWS` rows sample), and rewriting it every step makes batch 64
+slower than a model dequantized once (docs/benchmarks/quantization.md).
 """
 
 from __future__ import annotations
