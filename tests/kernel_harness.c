@@ -1,5 +1,6 @@
 /* Runs the kernels on fixed pseudo-random inputs and writes their outputs, so that one ISA
- * level's build can be compared with another's (here NEON vs scalar, under qemu). */
+ * level's build can be compared with another's (here NEON vs scalar, under qemu): attention,
+ * norm and activation, and the quantized-weight matmul and dequantizer in every format. */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -8,6 +9,9 @@ int paged_attention(const void *, const void *, const void *, const int64_t *, c
                     int64_t, int64_t, float, int, int, float *, float *, int);
 int add_rms_norm(const void *, void *, const void *, void *, int64_t, int64_t, float, int, int);
 int silu_mul(const void *, void *, int64_t, int64_t, int, int);
+int quant_matmul(const void *, int, int64_t, int64_t, const float *, int64_t, int64_t, float *,
+                 int64_t, int);
+int quant_dequantize(const void *, int, int64_t, const int64_t *, int64_t, void *, int, int);
 static uint32_t s = 12345;
 static float rnd(void) { s = s * 1664525u + 1013904223u; return ((s >> 8) / 16777216.f) * 4.f - 2.f; }
 static uint16_t bf(float x) { uint32_t u; memcpy(&u, &x, 4); return (uint16_t)(u >> 16); }
@@ -34,6 +38,28 @@ int main(int argc, char **argv) {
     add_rms_norm(x, r, wgt, o, 8, 576, 1e-5f, 0, 1);
     silu_mul(gu, so, 8, 1536, 0, 1);
     fwrite(o, sizeof o, 1, f); fwrite(r, sizeof r, 1, f); fwrite(so, sizeof so, 1, f);
+    /* Quantized rows of every format (random codes, small fp16 scales), 5 rows of 512. */
+    static const int fmts[8][4] = {/* ggml id, bytes per block of 32 or 256, half offsets */
+        {2, 18, 0, -1}, {3, 20, 0, 2}, {6, 22, 0, -1}, {7, 24, 0, 2},
+        {8, 34, 0, -1}, {12, 144, 0, 2}, {13, 176, 0, 2}, {14, 210, 208, -1}};
+    static uint8_t blocks[5 * 2 * 210 * 8];
+    static float qx[3 * 512], qy[3 * 5], deq[5 * 512];
+    for (int i = 0; i < 3 * 512; i++) qx[i] = rnd();
+    for (int t = 0; t < 8; t++) {
+        const int id = fmts[t][0], nb = fmts[t][1], group = id >= 12 ? 256 : 32;
+        const int nblocks = 5 * 512 / group;
+        for (int i = 0; i < nblocks * nb; i++) { s = s * 1664525u + 1013904223u; blocks[i] = s >> 24; }
+        for (int b = 0; b < nblocks; b++)
+            for (int h = 2; h < 4; h++)
+                if (fmts[t][h] >= 0) {
+                    s = s * 1664525u + 1013904223u;
+                    const uint16_t half = 0x2000 | (s >> 22); /* 2^-7 .. 2^-6 */
+                    memcpy(blocks + b * nb + fmts[t][h], &half, 2);
+                }
+        quant_matmul(blocks, id, 5, 512, qx, 3, 512, qy, 5, 1);
+        quant_dequantize(blocks, id, 512, NULL, 5, deq, 0, 1);
+        fwrite(qy, sizeof qy, 1, f); fwrite(deq, sizeof deq, 1, f);
+    }
     fclose(f);
     return 0;
 }

@@ -1,6 +1,7 @@
 """The NEON level, which no x86 CPU runs: built by an AArch64 cross compiler and run under qemu
 against the scalar level built the same way (`kernel_harness.c` runs both on one set of inputs:
-attention over float32 and bf16 caches, causal sets, the fused norm and SiLU·up). On an AArch64
+attention over float32 and bf16 caches, causal sets, the fused norm and SiLU·up, and the
+quantized-weight matmul and dequantizer in every GGUF format). On an AArch64
 host the NEON level runs natively and the `cpu_isa` tests cover it."""
 
 import platform
