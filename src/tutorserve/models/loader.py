@@ -79,8 +79,7 @@ def load_model(
 
 def _give_back_freed_memory() -> None:
     """The model was built with float weights that quantized layers have replaced; glibc keeps
-    their freed pages unless asked (137 against 272 MiB resident growth for SmolLM2,
-    docs/benchmarks/quantization.md)."""
+    their freed pages unless asked (docs/benchmarks/quantization.md, *Memory*)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

@@ -13,7 +13,7 @@ from tutorserve.models.arch import Architecture
 from tutorserve.models.config import ModelConfig
 from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch
 
-Tensor = torch.Tensor | QuantWeight
+Loaded = torch.Tensor | QuantWeight  # a checkpoint tensor, as floats or as quantized blocks
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 _TOP = {
@@ -24,7 +24,7 @@ _TOP = {
 
 
 def load_weights(
-    model: nn.Module, tensors: Iterable[tuple[str, Tensor]]
+    model: nn.Module, tensors: Iterable[tuple[str, Loaded]]
 ) -> dict[str, dict[int, QuantWeight]]:
     """Load HF-named tensors into `model`; every parameter must be filled exactly once. Which
     HF projections are packed into which of our linears, the model's class declares. Quantized
