@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 from torch import nn
 
-from quantkit import forward_logits, perplexity
 from tutorserve import LLM, SamplingParams
+from tutorserve.bench.teacher_forced import forward_logits, perplexity
 from tutorserve.kernels import quant
 from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch
 from tutorserve.quant.layers import GEMV_ROWS

@@ -94,14 +94,35 @@ static void nibbles(const uint8_t *qs, int8_t *q) {
     }
 }
 
-/* Q5_0/Q5_1: nibbles plus bit j (low half) or j + 12 (high half, shifted) of the 32-bit qh. */
-static void nibbles5(const uint8_t *qh4, const uint8_t *qs, int8_t *q) {
-    uint32_t qh;
-    memcpy(&qh, qh4, sizeof qh);
-    for (int l = 0; l < 16; l++) {
-        q[l] = (int8_t)((qs[l] & 0xF) | ((qh >> l) << 4 & 0x10));
-        q[l + 16] = (int8_t)((qs[l] >> 4) | ((qh >> (l + 12)) & 0x10));
-    }
+/* HIGH_BIT[b]: eight bytes, byte j = 0x10 if bit j of b is set (Q5_0/Q5_1's fifth bits, eight
+ * weights per table lookup instead of a variable shift per weight, which does not vectorize). */
+#define S1(b)                                                                                 \
+    ((uint64_t)((b) & 1) << 4 | (uint64_t)((b) >> 1 & 1) << 12 | (uint64_t)((b) >> 2 & 1) << 20 | \
+     (uint64_t)((b) >> 3 & 1) << 28 | (uint64_t)((b) >> 4 & 1) << 36 |                            \
+     (uint64_t)((b) >> 5 & 1) << 44 | (uint64_t)((b) >> 6 & 1) << 52 | (uint64_t)((b) >> 7 & 1) << 60)
+#define S4(b) S1(b), S1(b + 1), S1(b + 2), S1(b + 3)
+#define S16(b) S4(b), S4(b + 4), S4(b + 8), S4(b + 12)
+#define S64(b) S16(b), S16(b + 16), S16(b + 32), S16(b + 48)
+static const uint64_t HIGH_BIT[256] = {S64(0), S64(64), S64(128), S64(192)};
+
+/* Q5_0/Q5_1: nibbles, and bit i of the 32-bit qh is weight i's fifth bit. Built in 64-bit
+ * registers, eight weights a word (little-endian, as x86 and AArch64 are): reading back bytes
+ * just stored by `nibbles` would stall on store forwarding. */
+static void nibbles5(const uint8_t *qh, const uint8_t *qs, int8_t *q) {
+    const uint64_t low = 0x0F0F0F0F0F0F0F0FULL;
+    uint64_t v[2], out[4];
+    memcpy(v, qs, sizeof v);
+    out[0] = (v[0] & low) | HIGH_BIT[qh[0]];
+    out[1] = (v[1] & low) | HIGH_BIT[qh[1]];
+    out[2] = (v[0] >> 4 & low) | HIGH_BIT[qh[2]];
+    out[3] = (v[1] >> 4 & low) | HIGH_BIT[qh[3]];
+#if defined(TS_AVX2) || defined(TS_AVX512)
+    /* 16-byte stores, as the dot product loads them: forwarding needs the same width. */
+    _mm_storeu_si128((__m128i *)q, _mm_set_epi64x((long long)out[1], (long long)out[0]));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm_set_epi64x((long long)out[3], (long long)out[2]));
+#else
+    memcpy(q, out, sizeof out);
+#endif
 }
 
 /* One block → codes q[group] and a (scale, offset) per 16 weights. */

@@ -1,5 +1,6 @@
-"""Teacher-forced logits of a whole text through one of our models (one prefill over a KV
-cache of its own), for perplexity and logit comparisons."""
+"""Teacher-forced logits of a whole text through one of our models (its own KV cache, a chunk
+of tokens a step), for perplexity and logit comparisons: quantized against dequantized weights
+(`bench/quant_parity.py`, tests/test_quant.py)."""
 
 from __future__ import annotations
 
