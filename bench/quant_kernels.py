@@ -19,7 +19,13 @@ import time
 import torch
 from gguf import GGMLQuantizationType, quants
 
-SHAPES = [(3072, 576), (576, 1536), (49152, 576)]  # gate/up, down, LM head
+# SmolLM2's gate/up, down and LM head in its formats; Qwen2.5-Coder-0.5B's gate/up in its own.
+SHAPES = [
+    (3072, 576, ("Q4_1", "Q8_0")),
+    (576, 1536, ("Q4_1", "Q8_0")),
+    (49152, 576, ("Q4_1", "Q8_0")),
+    (9728, 896, ("Q4_0", "Q5_0")),
+]
 
 
 def _median_us(fn, n: int = 200) -> float:
@@ -40,10 +46,10 @@ def matmul() -> None:
     print(
         "| shape | format | batch | blocks µs | float32 µs | bf16 µs |\n|---|---|---|---|---|---|"
     )
-    for n, k in SHAPES:
+    for n, k, formats in SHAPES:
         w = torch.randn(n, k) * 0.02
         wb = w.bfloat16()
-        for fmt in ("Q4_1", "Q8_0"):
+        for fmt in formats:
             blocks = torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType[fmt]))
             for batch in (1, 4, 8):
                 x = torch.randn(batch, k)
