@@ -87,13 +87,6 @@ static void scale_min_k4(int j, const uint8_t *s, int *sc, int *mn) {
     }
 }
 
-static void nibbles(const uint8_t *qs, int8_t *q) {
-    for (int l = 0; l < 16; l++) {
-        q[l] = (int8_t)(qs[l] & 0xF);
-        q[l + 16] = (int8_t)(qs[l] >> 4);
-    }
-}
-
 /* HIGH_BIT[b]: eight bytes, byte j = 0x10 if bit j of b is set (Q5_0/Q5_1's fifth bits, eight
  * weights per table lookup instead of a variable shift per weight, which does not vectorize). */
 #define S1(b)                                                                                 \
@@ -105,19 +98,22 @@ static void nibbles(const uint8_t *qs, int8_t *q) {
 #define S64(b) S16(b), S16(b + 16), S16(b + 32), S16(b + 48)
 static const uint64_t HIGH_BIT[256] = {S64(0), S64(64), S64(128), S64(192)};
 
-/* Q5_0/Q5_1: nibbles, and bit i of the 32-bit qh is weight i's fifth bit. Built in 64-bit
- * registers, eight weights a word (little-endian, as x86 and AArch64 are): reading back bytes
- * just stored by `nibbles` would stall on store forwarding. */
-static void nibbles5(const uint8_t *qh, const uint8_t *qs, int8_t *q) {
+/* A 32-weight block's codes from its 16 bytes of nibbles (low nibbles are weights 0-15, high
+ * ones 16-31) and, for Q5_0/Q5_1, its 32-bit qh (bit i: weight i's fifth bit). Built in 64-bit
+ * words, eight codes each (little-endian, as x86 and AArch64 are), and stored 16 bytes at a
+ * time as the dot product loads them: codes stored byte by byte and read back as vectors stall
+ * on store forwarding (4.3 against 0.6 ms for a 9,728 × 896 Q5_0 matmul). */
+static inline void nibbles(const uint8_t *qs, const uint8_t *qh, int8_t *q) {
     const uint64_t low = 0x0F0F0F0F0F0F0F0FULL;
     uint64_t v[2], out[4];
     memcpy(v, qs, sizeof v);
-    out[0] = (v[0] & low) | HIGH_BIT[qh[0]];
-    out[1] = (v[1] & low) | HIGH_BIT[qh[1]];
-    out[2] = (v[0] >> 4 & low) | HIGH_BIT[qh[2]];
-    out[3] = (v[1] >> 4 & low) | HIGH_BIT[qh[3]];
+    out[0] = v[0] & low;
+    out[1] = v[1] & low;
+    out[2] = v[0] >> 4 & low;
+    out[3] = v[1] >> 4 & low;
+    if (qh)
+        for (int m = 0; m < 4; m++) out[m] |= HIGH_BIT[qh[m]];
 #if defined(TS_AVX2) || defined(TS_AVX512)
-    /* 16-byte stores, as the dot product loads them: forwarding needs the same width. */
     _mm_storeu_si128((__m128i *)q, _mm_set_epi64x((long long)out[1], (long long)out[0]));
     _mm_storeu_si128((__m128i *)(q + 16), _mm_set_epi64x((long long)out[3], (long long)out[2]));
 #else
@@ -138,20 +134,14 @@ __attribute__((always_inline)) static inline void decode(int fmt, const uint8_t 
     }
     case Q4_0: case Q5_0: {
         const float d = half(b);
-        if (fmt == Q4_0)
-            nibbles(b + 2, q);
-        else
-            nibbles5(b + 2, b + 6, q);
+        nibbles(fmt == Q4_0 ? b + 2 : b + 6, fmt == Q4_0 ? NULL : b + 2, q);
         scale[0] = scale[1] = d;
         offset[0] = offset[1] = (fmt == Q4_0 ? -8.f : -16.f) * d;
         return;
     }
     case Q4_1: case Q5_1: {
         const float d = half(b), m = half(b + 2);
-        if (fmt == Q4_1)
-            nibbles(b + 4, q);
-        else
-            nibbles5(b + 4, b + 8, q);
+        nibbles(fmt == Q4_1 ? b + 4 : b + 8, fmt == Q4_1 ? NULL : b + 4, q);
         scale[0] = scale[1] = d;
         offset[0] = offset[1] = m;
         return;
@@ -260,11 +250,10 @@ static void row_buf_free(RowBuf *b) {
     free(b->offset);
 }
 
-/* y = x W^T: W [n, k] quantized rows of `fmt`; x [batch, k] float32 rows ldx apart; y [batch,
- * n] float32 rows ldy apart (a column slice of a wider output when ldy > n). */
-int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const float *x, int64_t batch,
-                 int64_t ldx, float *y, int64_t ldy, int num_threads) {
-    if (!shape_ok(fmt, k)) return -1;
+/* Runs fn(buf, i, ctx) for rows i < n over the OpenMP team, each thread with its own row
+ * buffer; 0, or -2 when a buffer could not be allocated. */
+typedef void (*RowFn)(const RowBuf *buf, int64_t i, const void *ctx);
+static int for_each_row(int64_t n, int64_t k, int num_threads, RowFn fn, const void *ctx) {
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -276,49 +265,66 @@ int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const float *x, i
 #pragma omp barrier
         if (!failed) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < n; r++) {
-                decode_row(fmt, (const uint8_t *)w, r, k, buf.q, buf.scale, buf.offset);
-                for (int64_t b0 = 0; b0 < batch; b0 += BATCH_TILE) {
-                    const int64_t rows = batch - b0 < BATCH_TILE ? batch - b0 : BATCH_TILE;
-                    float out[BATCH_TILE];
-                    dot_tile(buf.q, buf.scale, buf.offset, k, x + b0 * ldx, ldx, rows, out);
-                    for (int64_t b = 0; b < rows; b++) y[(b0 + b) * ldy + r] = out[b];
-                }
-            }
+            for (int64_t i = 0; i < n; i++) fn(&buf, i, ctx);
         }
         row_buf_free(&buf);
     }
     return failed ? -2 : 0;
 }
 
+typedef struct {
+    const uint8_t *w;
+    int fmt;
+    int64_t k, batch, ldx, ldy;
+    const float *x;
+    float *y;
+} MatmulArgs;
+
+static void matmul_row(const RowBuf *buf, int64_t r, const void *ctx) {
+    const MatmulArgs *a = ctx;
+    decode_row(a->fmt, a->w, r, a->k, buf->q, buf->scale, buf->offset);
+    for (int64_t b0 = 0; b0 < a->batch; b0 += BATCH_TILE) {
+        const int64_t rows = a->batch - b0 < BATCH_TILE ? a->batch - b0 : BATCH_TILE;
+        float out[BATCH_TILE];
+        dot_tile(buf->q, buf->scale, buf->offset, a->k, a->x + b0 * a->ldx, a->ldx, rows, out);
+        for (int64_t b = 0; b < rows; b++) a->y[(b0 + b) * a->ldy + r] = out[b];
+    }
+}
+
+/* y = x W^T: W [n, k] quantized rows of `fmt`; x [batch, k] float32 rows ldx apart; y [batch,
+ * n] float32 rows ldy apart (a column slice of a wider output when ldy > n). */
+int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const float *x, int64_t batch,
+                 int64_t ldx, float *y, int64_t ldy, int num_threads) {
+    if (!shape_ok(fmt, k)) return -1;
+    const MatmulArgs a = {w, fmt, k, batch, ldx, ldy, x, y};
+    return for_each_row(n, k, num_threads, matmul_row, &a);
+}
+
+typedef struct {
+    const uint8_t *w;
+    int fmt, out_bf16;
+    int64_t k;
+    const int64_t *rows;
+    void *out;
+} DequantArgs;
+
+static void dequantize_row(const RowBuf *buf, int64_t i, const void *ctx) {
+    const DequantArgs *a = ctx;
+    const int64_t k = a->k;
+    decode_row(a->fmt, a->w, a->rows ? a->rows[i] : i, k, buf->q, buf->scale, buf->offset);
+    for (int64_t c = 0; c < k / CHUNK; c++) {
+        const vf s = vset1(buf->scale[c]), o = vset1(buf->offset[c]);
+        for (int v = 0; v < CHUNK; v += VL) {
+            const vf wv = vfma(vload_i8(buf->q + c * CHUNK + v), s, o);
+            vstore_as(a->out, i * k + c * CHUNK + v, wv, a->out_bf16);
+        }
+    }
+}
+
 /* out[i, :] = W[rows[i], :] dequantized (rows NULL: rows 0..n-1), float32 or bf16. */
 int quant_dequantize(const void *w, int fmt, int64_t k, const int64_t *rows, int64_t n, void *out,
                      int out_bf16, int num_threads) {
     if (!shape_ok(fmt, k)) return -1;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        RowBuf buf;
-        if (!row_buf_alloc(&buf, k)) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < n; i++) {
-                decode_row(fmt, (const uint8_t *)w, rows ? rows[i] : i, k, buf.q, buf.scale,
-                           buf.offset);
-                for (int64_t c = 0; c < k / CHUNK; c++) {
-                    const vf s = vset1(buf.scale[c]), o = vset1(buf.offset[c]);
-                    for (int v = 0; v < CHUNK; v += VL) {
-                        const vf wv = vfma(vload_i8(buf.q + c * CHUNK + v), s, o);
-                        vstore_as(out, i * k + c * CHUNK + v, wv, out_bf16);
-                    }
-                }
-            }
-        }
-        row_buf_free(&buf);
-    }
-    return failed ? -2 : 0;
+    const DequantArgs a = {w, fmt, out_bf16, k, rows, out};
+    return for_each_row(n, k, num_threads, dequantize_row, &a);
 }
