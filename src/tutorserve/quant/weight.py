@@ -44,7 +44,4 @@ class QuantWeight:
         return cls(torch.from_numpy(blocks), fmt, w.shape[1])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        if quant.available():
-            return quant.dequantize(self.blocks, self.fmt, self.in_features, dtype)
-        arr = quants.dequantize(self.blocks.numpy(), GGMLQuantizationType[self.fmt])
-        return torch.from_numpy(np.asarray(arr, dtype=np.float32)).to(dtype)
+        return quant.dequantize(self.blocks, self.fmt, self.in_features, dtype)
