@@ -269,14 +269,19 @@ def test_per_user_cap(limited_server):
 
 def test_priority_orders_waiting_requests(limited_server):
     """Two blockers fill both running slots; of two waiting requests, the lower priority value
-    is admitted when the first slot frees, ahead of the one that arrived earlier."""
+    is admitted when the first slot frees, ahead of the one that arrived earlier. Each request
+    is sent once the server shows the one before it running or waiting, so the order does not
+    depend on how fast the model decodes."""
+
+    async def until(name: str, value: int) -> None:
+        while (await asyncio.to_thread(limited_server.metrics))[f"tutorserve:{name}"] < value:
+            await asyncio.sleep(0.01)
 
     async def run():
         async with httpx.AsyncClient(base_url=limited_server.url, timeout=120) as client:
             finished = []
 
-            async def send(name, n, priority, delay):
-                await asyncio.sleep(delay)
+            async def send(name, n, priority):
                 body = {
                     "model": "tiny",
                     "prompt": name,
@@ -288,12 +293,15 @@ def test_priority_orders_waiting_requests(limited_server):
                 assert r.status_code == 200, r.text
                 finished.append(name)
 
-            await asyncio.gather(
-                send("blocker-short", 400, 0, 0),
-                send("blocker-long", 1200, 0, 0),
-                send("late-urgent", 4, -5, 0.4),
-                send("early-casual", 4, 5, 0.2),
-            )
+            sent = [asyncio.create_task(send("blocker-short", 1000, 0))]
+            sent.append(asyncio.create_task(send("blocker-long", 1500, 0)))
+            await until("num_requests_running", 2)
+            sent.append(asyncio.create_task(send("early-casual", 4, 5)))
+            await until("num_requests_waiting", 1)
+            sent.append(asyncio.create_task(send("late-urgent", 4, -5)))
+            await until("num_requests_waiting", 2)
+            assert not finished, "a blocker ended before both waiting requests were queued"
+            await asyncio.gather(*sent)
             return finished
 
     order = asyncio.run(run())

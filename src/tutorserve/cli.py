@@ -140,9 +140,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     api_key = a.api_key or os.environ.get("TUTORSERVE_API_KEY") or None
     make_tutor = _tutor_service(a)
-    engine = LLMEngine(EngineConfig.from_kwargs(**engine_options(a)))
+    config = EngineConfig.from_kwargs(**engine_options(a))
     server = AsyncEngine(
-        engine, max_waiting=a.max_waiting, max_requests_per_user=a.max_requests_per_user
+        lambda: LLMEngine(config),
+        max_waiting=a.max_waiting,
+        max_requests_per_user=a.max_requests_per_user,
     )
     settings = ServerSettings(
         model_name=a.served_model_name or a.model,

@@ -84,8 +84,8 @@ async def _student(
 async def _run(
     model: str, students: int, problems: int, options: dict[str, Any]
 ) -> tuple[list[TurnSample], dict[str, int]]:
-    engine = LLMEngine(EngineConfig.from_kwargs(model=model, **options))
-    server = AsyncEngine(engine)
+    config = EngineConfig.from_kwargs(model=model, **options)
+    server = AsyncEngine(lambda: LLMEngine(config))
     await server.start()
     courses = load_courses()
     with tempfile.TemporaryDirectory() as d:
@@ -104,7 +104,7 @@ async def _run(
         finally:
             await service.close()
             await server.stop()
-    kv = engine.kv
+    kv = server.engine.kv
     cache = {"prompt_tokens": kv.prefix_query_tokens, "prefix_hit_tokens": kv.prefix_hit_tokens}
     return [s for run in runs for s in run], cache
 

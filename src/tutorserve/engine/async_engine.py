@@ -1,10 +1,19 @@
 """The engine's step loop on its own thread, bridged to asyncio, with admission control.
 
 HTTP handlers live on the event loop; the model forward must not, or one long prefill would stall
-every stream. One thread owns the `LLMEngine`: it takes new requests and aborts from an inbox
-under a lock, steps without the lock, and hands each step's outputs back to the loop in a single
-`call_soon_threadsafe`. Admission (waiting-queue cap, per-user cap) is decided on the loop before
-a request reaches the inbox, so a refused request costs nothing but its parse.
+every stream. One thread owns the `LLMEngine` from its construction on: it takes new requests and
+aborts from an inbox under a lock, steps without the lock, and hands each step's outputs back to
+the loop in a single `call_soon_threadsafe`.
+
+The engine is built on that thread too (`make_engine`), not handed over built. Loading runs
+PyTorch ops, and a thread's first parallel op gives it an OpenMP team of its own; once the process
+holds more OpenMP threads than cores, libgomp stops spinning between parallel regions and puts
+threads to sleep instead, and each of a decode step's ~200 regions then waits for a wake-up. A
+model loaded on the main thread and stepped on this one made batch-1 decode twice as slow
+(14.7 against 31.5 ms per token, docs/benchmarks/quantization.md).
+
+Admission (waiting-queue cap, per-user cap) is decided on the loop before a request reaches the
+inbox, so a refused request costs nothing but its parse.
 
 This is the engine's front for the server and the tutor: submit (a stream out; closing it
 aborts), model info (tokenizer, context length, prompt checks, LoRA adapters) and a stats
@@ -15,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -91,9 +101,12 @@ class RequestStream:
 
 
 class AsyncEngine:
+    """`make_engine` runs on the engine's own thread; the constructor returns once it has (and
+    raises what it raised). Steps begin at `start()`."""
+
     def __init__(
         self,
-        engine: LLMEngine,
+        make_engine: Callable[[], LLMEngine],
         *,
         max_waiting: int = 256,
         max_requests_per_user: int | None = None,
@@ -102,7 +115,6 @@ class AsyncEngine:
             raise ValueError("max_waiting must be at least 1")
         if max_requests_per_user is not None and max_requests_per_user < 1:
             raise ValueError("max_requests_per_user must be at least 1")
-        self.engine = engine
         self.max_waiting = max_waiting
         self.max_requests_per_user = max_requests_per_user
         # Called on the event loop: each ended request, and each refusal by its reason
@@ -114,31 +126,39 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._calls: list[tuple[Callable[[], Any], asyncio.Future]] = []
         self._stopping = False
-        self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
         self._users: Counter[str] = Counter()
         self._recent_latency = 1.0  # seconds; an EMA behind Retry-After
         self.error: BaseException | None = None
+        built: queue.SimpleQueue[LLMEngine | BaseException] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._own, args=(make_engine, built), name="engine-loop", daemon=True
+        )
+        self._thread.start()
+        engine = built.get()
+        if isinstance(engine, BaseException):
+            self._thread.join()
+            raise engine
+        self.engine = engine
 
     # ---- lifecycle (called on the event loop) -------------------------------------------
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        with self._cond:
+            self._loop = asyncio.get_running_loop()
+            self._cond.notify()
 
     async def stop(self) -> None:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._thread.join)
         await asyncio.to_thread(self.engine.close)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.error is None and self._thread.is_alive()
 
     # ---- model info and state (read on the event loop) ---------------------------------
     @property
@@ -229,8 +249,20 @@ class AsyncEngine:
                 self._cond.notify()
 
     # ---- the engine thread ----------------------------------------------------------------
-    def _run(self) -> None:
-        engine = self.engine
+    def _own(self, make_engine: Callable[[], LLMEngine], built: queue.SimpleQueue) -> None:
+        try:
+            engine = make_engine()
+        except BaseException as e:  # raised again by the constructor, on its thread
+            built.put(e)
+            return
+        built.put(engine)
+        with self._cond:
+            while self._loop is None and not self._stopping:
+                self._cond.wait()
+        if not self._stopping:
+            self._run(engine)
+
+    def _run(self, engine: LLMEngine) -> None:
         try:
             while True:
                 with self._cond:
