@@ -9,8 +9,8 @@ int paged_attention(const void *, const void *, const void *, const int64_t *, c
                     int64_t, int64_t, float, int, int, float *, float *, int);
 int add_rms_norm(const void *, void *, const void *, void *, int64_t, int64_t, float, int, int);
 int silu_mul(const void *, void *, int64_t, int64_t, int, int);
-int quant_matmul(const void *, int, int64_t, int64_t, const float *, int64_t, int64_t, float *,
-                 int64_t, int);
+int quant_matmul(const void *, int, int64_t, int64_t, const void *, int, int64_t, int64_t, void *,
+                 int, int64_t, int);
 int quant_dequantize(const void *, int, int64_t, const int64_t *, int64_t, void *, int, int);
 static uint32_t s = 12345;
 static float rnd(void) { s = s * 1664525u + 1013904223u; return ((s >> 8) / 16777216.f) * 4.f - 2.f; }
@@ -44,7 +44,8 @@ int main(int argc, char **argv) {
         {8, 34, 0, -1}, {12, 144, 0, 2}, {13, 176, 0, 2}, {14, 210, 208, -1}};
     static uint8_t blocks[5 * 2 * 210 * 8];
     static float qx[3 * 512], qy[3 * 5], deq[5 * 512];
-    for (int i = 0; i < 3 * 512; i++) qx[i] = rnd();
+    static uint16_t qxb[3 * 512];
+    for (int i = 0; i < 3 * 512; i++) { qx[i] = rnd(); qxb[i] = bf(qx[i]); }
     for (int t = 0; t < 8; t++) {
         const int id = fmts[t][0], nb = fmts[t][1], group = id >= 12 ? 256 : 32;
         const int nblocks = 5 * 512 / group;
@@ -56,7 +57,9 @@ int main(int argc, char **argv) {
                     const uint16_t half = 0x2000 | (s >> 22); /* 2^-7 .. 2^-6 */
                     memcpy(blocks + b * nb + fmts[t][h], &half, 2);
                 }
-        quant_matmul(blocks, id, 5, 512, qx, 3, 512, qy, 5, 1);
+        quant_matmul(blocks, id, 5, 512, qx, 0, 3, 512, qy, 0, 5, 1);
+        fwrite(qy, sizeof qy, 1, f);
+        quant_matmul(blocks, id, 5, 512, qxb, 1, 3, 512, qy, 0, 5, 1); /* bf16 activations */
         quant_dequantize(blocks, id, 512, NULL, 5, deq, 0, 1);
         fwrite(qy, sizeof qy, 1, f); fwrite(deq, sizeof deq, 1, f);
     }

@@ -59,10 +59,12 @@ def test_kernels_match_gguf_dequantize_and_a_float64_matmul(cpu_isa, fmt):
     bf16 = quant.dequantize(w, fmt, k, torch.bfloat16)
     assert torch.equal(bf16, torch.from_numpy(ref).float().bfloat16())
     for batch in (1, 3, 4, 5, 17):  # below, at and above the kernel's tile of 4 rows
-        x = torch.randn(batch, k)
-        y = quant.matmul(w, fmt, k, x).double().numpy()
-        want = x.double().numpy() @ ref.T
-        np.testing.assert_allclose(y, want, rtol=0, atol=2e-6 * np.abs(want).max())
+        for x in (torch.randn(batch, k), torch.randn(batch, k).bfloat16()):
+            y = quant.matmul(w, fmt, k, x)
+            want = x.double().numpy() @ ref.T  # bf16 activations: exact products, float32 sums
+            np.testing.assert_allclose(y.double().numpy(), want, atol=2e-6 * np.abs(want).max())
+            out = quant.matmul(w, fmt, k, x, torch.empty(batch, 67, dtype=torch.bfloat16))
+            assert torch.equal(out, y.bfloat16())  # one rounding, to nearest even, as PyTorch's
 
 
 def test_matmul_writes_a_column_slice_and_refuses_partial_blocks(cpu_isa):
@@ -81,22 +83,26 @@ def test_matmul_writes_a_column_slice_and_refuses_partial_blocks(cpu_isa):
         QuantWeight(blocks, "IQ2_XS", 64)
 
 
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, GEMV_ROWS, GEMV_ROWS + 1, 40])
-def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weight(rows, dtype):
-    """q and k in Q4_K, v in Q6_K, as a Q4_K_M file keeps them; decode-sized and prefill-sized
-    batches take different paths."""
+def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weight(
+    rows, dtype, bias
+):
+    """q and k in Q4_K, v in Q6_K, as a Q4_K_M file keeps them, then a Q4_1 part; decode-sized
+    and prefill-sized batches take different paths."""
+    spec = [("Q4_K", 48, 256), ("Q4_K", 16, 256), ("Q6_K", 16, 256), ("Q4_1", 16, 256)]
     parts = [
-        QuantWeight(torch.from_numpy(random_blocks(f, n, 256, seed=i)), f, 256)
-        for i, (f, n) in enumerate([("Q4_K", 48), ("Q4_K", 16), ("Q6_K", 16)])
+        QuantWeight(torch.from_numpy(random_blocks(f, n, k, seed=i)), f, k)
+        for i, (f, n, k) in enumerate(spec)
     ]
-    bias = torch.randn(80)
-    layer = QuantLinear(parts, bias, Scratch()).to(dtype)
+    b = torch.randn(96) if bias else None
+    layer = QuantLinear(parts, b, Scratch()).to(dtype)
     w = torch.cat([torch.from_numpy(reference(p.blocks.numpy(), p.fmt)) for p in parts])
     x = torch.randn(rows, 256).to(dtype)
-    want = F.linear(x.double(), w, bias.to(dtype).double())
+    want = F.linear(x.double(), w, None if b is None else b.to(dtype).double())
     got = layer(x)
-    assert got.dtype == dtype and got.shape == (rows, 80)
+    assert got.dtype == dtype and got.shape == (rows, 96)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (got.double() - want).abs().max() <= tol * want.abs().max()
 

@@ -52,7 +52,7 @@ _SIGNATURES = {
     "paged_attention": [_ptr] * 6 + [_i64] * 8 + [ctypes.c_float, _i32, _i32, _ptr, _ptr, _i32],
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, _i32, _i32],
     "silu_mul": [_ptr, _ptr, _i64, _i64, _i32, _i32],
-    "quant_matmul": [_ptr, _i32, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32],
+    "quant_matmul": [_ptr, _i32, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i32, _i64, _i32],
     "quant_dequantize": [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i32],
 }
 

@@ -296,13 +296,28 @@ static int for_each_row(int64_t n, int64_t k, int num_threads, RowFn fn, const v
     return failed ? -2 : 0;
 }
 
+/* x is float32 rows: bf16 activations are widened once per call, not once per weight row. */
 typedef struct {
     const uint8_t *w;
-    int fmt;
+    int fmt, y_bf16;
     int64_t k, batch, ldx, ldy;
     const float *x;
-    float *y;
+    void *y;
 } MatmulArgs;
+
+/* float32 → bfloat16 bits, to nearest, ties to even (as PyTorch converts). */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + (u >> 16 & 1u)) >> 16);
+}
+
+static inline void put(const MatmulArgs *a, int64_t b, int64_t r, float v) {
+    if (a->y_bf16)
+        ((uint16_t *)a->y)[b * a->ldy + r] = bf16_bits(v);
+    else
+        ((float *)a->y)[b * a->ldy + r] = v;
+}
 
 /* Q4_0, Q4_1 and Q8_0 blocks dequantize in registers, 32 weights at a time: no codes to write
  * to a buffer and read back, which was most of a batch-1 matmul's time. */
@@ -326,7 +341,7 @@ __attribute__((always_inline)) static inline void block32_tile(const MatmulArgs 
                                                                int64_t r, int64_t b0,
                                                                const int ROWS) {
     const int nb = bytes_of(FMT);
-    const uint8_t *row = (const uint8_t *)a->w + r * (a->k / 32) * nb;
+    const uint8_t *row = a->w + r * (a->k / 32) * nb;
     vf acc[BATCH_TILE][2];
     for (int b = 0; b < ROWS; b++) acc[b][0] = acc[b][1] = vzero();
     for (int64_t i = 0; i < a->k / 32; i++) {
@@ -338,7 +353,7 @@ __attribute__((always_inline)) static inline void block32_tile(const MatmulArgs 
                 acc[b][v & 1] = vfma(w[v], vload(x + v * VL), acc[b][v & 1]);
         }
     }
-    for (int b = 0; b < ROWS; b++) a->y[(b0 + b) * a->ldy + r] = vhsum(vadd(acc[b][0], acc[b][1]));
+    for (int b = 0; b < ROWS; b++) put(a, b0 + b, r, vhsum(vadd(acc[b][0], acc[b][1])));
 }
 
 __attribute__((always_inline)) static inline void block32_row(const MatmulArgs *a, int64_t r,
@@ -373,19 +388,33 @@ static void matmul_row(const RowBuf *buf, int64_t r, const void *ctx) {
         const int64_t rows = a->batch - b0 < BATCH_TILE ? a->batch - b0 : BATCH_TILE;
         float out[BATCH_TILE];
         dot_tile(buf->q, buf->scale, buf->offset, a->k, a->x + b0 * a->ldx, a->ldx, rows, out);
-        for (int64_t b = 0; b < rows; b++) a->y[(b0 + b) * a->ldy + r] = out[b];
+        for (int64_t b = 0; b < rows; b++) put(a, b0 + b, r, out[b]);
     }
 }
 
-/* y = x W^T: W [n, k] quantized rows of `fmt`; x [batch, k] float32 rows ldx apart; y [batch,
- * n] float32 rows ldy apart (a column slice of a wider output when ldy > n). */
-int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const float *x, int64_t batch,
-                 int64_t ldx, float *y, int64_t ldy, int num_threads) {
+/* y = x W^T: W [n, k] quantized rows of `fmt`; x [batch, k] float32 or bf16 (`x_bf16`) rows ldx
+ * apart; y [batch, n] float32 or bf16 rows ldy apart (a column slice of a wider output when
+ * ldy > n). 0; -1 for rows that are not whole blocks; -2 when a buffer cannot be allocated. */
+int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
+                 int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy, int num_threads) {
     if (!shape_ok(fmt, k)) return -1;
-    const MatmulArgs a = {w, fmt, k, batch, ldx, ldy, x, y};
+    MatmulArgs a = {w, fmt, y_bf16, k, batch, ldx, ldy, x, y};
+    float *wide = NULL;
+    if (x_bf16) {
+        wide = malloc(sizeof(float) * (size_t)(batch * k));
+        if (!wide) return -2;
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t i = 0; i < k; i++) {
+                const uint32_t bits = (uint32_t)((const uint16_t *)x)[b * ldx + i] << 16;
+                memcpy(wide + b * k + i, &bits, sizeof bits);
+            }
+        a.x = wide, a.ldx = k;
+    }
     const RowFn fn = fmt == Q4_0 ? q4_0_row : fmt == Q4_1 ? q4_1_row : fmt == Q8_0 ? q8_0_row
                                                                                    : matmul_row;
-    return for_each_row(n, k, num_threads, fn, &a);
+    const int status = for_each_row(n, k, num_threads, fn, &a);
+    free(wide);
+    return status;
 }
 
 typedef struct {

@@ -27,17 +27,20 @@ def available() -> bool:
 def matmul(
     blocks: torch.Tensor, fmt: str, k: int, x: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [B, k] float32 @ W^T, W the rows of `blocks` ([n, bytes per row] uint8) → [B, n]
-    float32; written into `out` (a [B, n] view, rows may be further apart) when given."""
+    """x [B, k] @ W^T, W the rows of `blocks` ([n, bytes per row] uint8) → [B, n]; x float32 or
+    bfloat16 with contiguous rows; written into `out` (a [B, n] view of float32 or bfloat16,
+    rows may be further apart) when given, else a new float32 tensor."""
     n = blocks.shape[0]
-    if x.dtype != torch.float32 or x.stride(-1) != 1:
-        raise ValueError("quant matmul takes float32 activations with contiguous rows")
+    if x.dtype not in DTYPES or x.stride(-1) != 1:
+        raise ValueError("quant matmul takes float32 or bfloat16 activations with contiguous rows")
     if out is None:
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if out.dtype not in DTYPES or out.stride(-1) != 1:
+        raise ValueError("quant matmul writes float32 or bfloat16 rows")
     with traced(f"tutorserve::quant_matmul_{fmt}"):
         status = _kernels().lib.quant_matmul(
-            blocks.data_ptr(), FORMATS[fmt][0], n, k, x.data_ptr(), x.shape[0], x.stride(0),
-            out.data_ptr(), out.stride(0), torch.get_num_threads(),
+            blocks.data_ptr(), FORMATS[fmt][0], n, k, x.data_ptr(), DTYPES[x.dtype], x.shape[0],
+            x.stride(0), out.data_ptr(), DTYPES[out.dtype], out.stride(0), torch.get_num_threads(),
         )  # fmt: skip
     _check(status, fmt, k)
     return out

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tutorserve.kernels import quant
+from tutorserve.kernels.build import DTYPES
 from tutorserve.quant.weight import QuantWeight
 
 # Above this many rows the blocks are dequantized for PyTorch's GEMM (measured crossover,
@@ -81,10 +82,13 @@ class QuantLinear(nn.Module):
                 quant.dequantize(blocks, fmt, k, out=w[cols])
             y = F.linear(rows, w, self.bias)
         else:
-            xf = rows.float().contiguous()
-            y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+            # The kernel reads bf16 activations and writes bf16 outputs itself; a bias is added
+            # before the one rounding to the model's dtype.
+            xs = rows.contiguous() if rows.dtype in DTYPES else rows.float().contiguous()
+            out = x.dtype if x.dtype in DTYPES and self.bias is None else torch.float32
+            y = torch.empty(rows.shape[0], self.out_features, dtype=out)
             for blocks, fmt, cols in self._plan:
-                quant.matmul(blocks, fmt, k, xf, y[:, cols])
+                quant.matmul(blocks, fmt, k, xs, y[:, cols])
             if self.bias is not None:
                 y += self.bias
             y = y.to(x.dtype)
