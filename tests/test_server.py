@@ -355,3 +355,23 @@ def test_metrics_count_one_request(live_server, offline):
         assert delta(f"tutorserve:{hist}_seconds_sum") > 0
     assert after["tutorserve:kv_cache_usage_perc"] == 0
     assert after["tutorserve:kv_cache_blocks{state=cached}"] >= len(ids) // 16
+
+
+def test_speculative_decoding_over_http_matches_and_is_counted(synth_llama):
+    """`--speculative suffix`: the same greedy reply as offline without speculation, and the
+    drafts counted in /metrics."""
+    prompt = "ab ab ab ab ab ab ab ab"
+    want = LLM(synth_llama, dtype="float32").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    )[0]
+    server = start_server(synth_llama, "--dtype", "float32", "--speculative", "suffix")
+    try:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, **NO_EOS}
+        r = httpx.post(server.url + COMPLETIONS_PATH, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.text
+        m = server.metrics()
+        assert m["tutorserve:spec_decode_num_draft_tokens_total"] > 0
+        assert m["tutorserve:spec_decode_num_accepted_tokens_total"] > 0
+    finally:
+        server.stop()

@@ -15,9 +15,11 @@ from tutorserve.engine.policy import POLICIES
 from tutorserve.models.classes import MODEL_CLASSES
 from tutorserve.models.registry import DEFAULT_MODEL
 from tutorserve.sampling_params import SamplingParams
+from tutorserve.spec import PROPOSERS
 
 log = logging.getLogger("tutorserve")
-ENGINE_CHOICES = {"scheduling": list(POLICIES)}  # known above the config layer only
+# known above the config layer only
+ENGINE_CHOICES = {"scheduling": list(POLICIES), "speculative": list(PROPOSERS)}
 
 
 def add_tutor_args(p: argparse.ArgumentParser) -> None:

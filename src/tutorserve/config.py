@@ -55,6 +55,7 @@ def _lora_modules(specs: list[str]) -> dict[str, str]:
 
 
 _TIERS, _LORA = "KV tiers (0 turns a tier off)", "LoRA adapters"
+_SPEC = "speculative decoding"
 
 
 @dataclass(slots=True)
@@ -121,6 +122,16 @@ class EngineConfig:
     max_loras: int = _option(8, Flag("adapters in compute slots (usable in one step)", _LORA))
     max_lora_rank: int = _option(16, Flag("largest adapter rank", _LORA))
     max_cpu_loras: int = _option(64, Flag("adapters kept in host RAM", _LORA))
+    # Speculative decoding: a proposer by name (spec/: "ngram"), None for off.
+    speculative: str | None = _option(
+        None, Flag("draft tokens with this proposer and verify them in one step", _SPEC, type=str)
+    )
+    num_speculative_tokens: int = _option(4, Flag("tokens drafted per decode row", _SPEC))
+    # Above this many running requests a step is busy enough that verifying drafts costs more
+    # than it saves (docs/benchmarks/speculative.md), so nobody speculates (vLLM's name).
+    speculative_disable_by_batch_size: int = _option(
+        8, Flag("running requests above which speculation pauses", _SPEC)
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -155,6 +166,10 @@ class EngineConfig:
             raise ValueError("session_ttl must be positive")
         if self.max_bypass < 0:
             raise ValueError("max_bypass must be >= 0")
+        if self.num_speculative_tokens < 1 or self.speculative_disable_by_batch_size < 1:
+            raise ValueError(
+                "num_speculative_tokens and speculative_disable_by_batch_size must be >= 1"
+            )
         for name, allowed in (
             ("dtype", DTYPES), ("kv_cache_dtype", DTYPES), ("device", DEVICES),
             ("quantization", QUANTIZATIONS),

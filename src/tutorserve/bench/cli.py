@@ -118,6 +118,18 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench-results/tutor")
     p.set_defaults(func=cmd_tutor)
 
+    p = bench.add_parser("spec", help="tutor replies: TPOT with each speculative proposer vs none")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", **DTYPE_ARG)
+    p.add_argument("--methods", default="none,ngram", help="none and proposer names")
+    p.add_argument("--concurrency", default="1,8,32", help="requests in flight, per run")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=96)
+    add_engine_args(p, only=("quantization", "num_speculative_tokens",
+                             "speculative_disable_by_batch_size"))  # fmt: skip
+    p.add_argument("--out", default="bench-results/spec")
+    p.set_defaults(func=cmd_spec)
+
     p = bench.add_parser("roofline", help="this machine's decode upper bound for a model")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--context", type=int, default=1500, help="KV tokens per sequence")
@@ -464,6 +476,32 @@ def cmd_tutor(a: argparse.Namespace) -> int:
     hit = cache["prefix_hit_tokens"] / max(1, cache["prompt_tokens"])
     print(f"\nprefix cache: {hit:.1%} of {cache['prompt_tokens']} prompt tokens served from cache")
     return 0
+
+
+def cmd_spec(a: argparse.Namespace) -> int:
+    from tutorserve.bench.speculative import as_json, plot, run_spec_bench, table
+    from tutorserve.spec import PROPOSERS
+
+    methods = a.methods.split(",")
+    unknown = [m for m in methods if m != "none" and m not in PROPOSERS]
+    if unknown or not methods:
+        raise ValueError(f"--methods takes none and {', '.join(PROPOSERS)}, got {a.methods!r}")
+    concurrencies = [int(c) for c in a.concurrency.split(",")]
+    if min(concurrencies) < 1 or a.num_prompts < 1 or a.max_tokens < 2:
+        raise ValueError("--concurrency and --num-prompts must be >= 1, --max-tokens >= 2")
+    options = engine_options(a) | {"dtype": a.dtype}
+    results, identical = run_spec_bench(
+        a.model, methods, concurrencies, a.num_prompts, a.max_tokens, options
+    )
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(as_json(results, identical), indent=1))
+    plot(results, out / "spec.png")
+    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
+    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+    print(table(results))
+    print(f"\nidentical greedy outputs across methods: {'yes' if identical else 'NO'}")
+    return 0 if identical else 1
 
 
 def cmd_roofline(a: argparse.Namespace) -> int:

@@ -4,25 +4,29 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from tutorserve.config import EngineConfig
 from tutorserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tutorserve.engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
-from tutorserve.engine.kv_cache_manager import KVCacheManager
+from tutorserve.engine.kv_cache_manager import KVCacheManager, hash_block
 from tutorserve.engine.kv_tiers import TieredKVStore, model_fingerprint
 from tutorserve.engine.model_runner import ModelRunner
 from tutorserve.engine.outputs import RequestMetrics, RequestOutput
 from tutorserve.engine.scheduler import Scheduler
 from tutorserve.engine.sequence import Sequence, SequenceStatus
-from tutorserve.engine.stats import EngineStats
+from tutorserve.engine.stats import EngineStats, SpecCounters
 from tutorserve.lora.manager import LoRAManager
 from tutorserve.models.loader import load_model
 from tutorserve.sampling_params import SamplingParams
+from tutorserve.spec import proposer_named
 
 log = logging.getLogger(__name__)
+# Requests whose prompts share their first this many tokens (one course's system prompt and the
+# start of its material) draft from each other's outputs (spec/suffix.py).
+SPEC_SCOPE_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -74,6 +78,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, self.store)
         self.lora = self._lora_manager()
         self.scheduler = Scheduler(config, self.kv, self.lora)
+        self.proposer = proposer_named(config.speculative) if config.speculative else None
+        self.spec = SpecCounters()
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
         # Set to a list to record one StepRecord per step (benchmarks, profiling).
@@ -142,6 +148,7 @@ class LLMEngine:
             prefix_hit_tokens=kv.prefix_hit_tokens,
             num_preemptions=sched.num_preemptions,
             tiers=() if self.store is None else tuple(t.snapshot() for t in self.store.tiers),
+            spec=replace(self.spec),
         )
 
     def on_idle(self) -> None:
@@ -191,6 +198,7 @@ class LLMEngine:
             request_id, ids, params, prompt=text, priority=priority, session_id=session_id
         )
         seq.lora, seq.cache_salt = lora, salt
+        seq.spec_scope = hash_block(b"", ids[:SPEC_SCOPE_TOKENS], salt)
         if lora is not None:
             self.lora.prefetch(lora)  # type: ignore[union-attr]
         if arrival_time is not None:
@@ -254,10 +262,13 @@ class LLMEngine:
         samplers, tokens = self.runner.run(batch)
         now = time.monotonic()
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            seq.num_computed_tokens += n
+            # A row's drafts count as computed once verified, below.
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)
             self.kv.cache_computed_blocks(seq)
-        outputs = [self._append(seq, tok, now) for seq, tok in zip(samplers, tokens, strict=True)]
+        outputs = [self._emit(seq, toks, now) for seq, toks in zip(samplers, tokens, strict=True)]
         outputs += failed
+        if self.proposer is not None:
+            self._propose()
         if self.step_log is not None:
             self.step_log.append(
                 StepRecord(
@@ -272,27 +283,69 @@ class LLMEngine:
             )
         return outputs
 
-    def _append(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _emit(self, seq: Sequence, tokens: list[int], now: float) -> RequestOutput:
+        """Append a step's tokens to `seq` (one, or verified drafts and one more) and give the
+        request's output; a row that verified drafts keeps their KV, and gives back the blocks
+        it took for the rejected ones."""
+        drafts = len(seq.spec_token_ids)
+        seq.spec_token_ids = []
+        out = self._append(seq, tokens, now)
+        if self.proposer is not None:
+            self.proposer.observe(seq.request_id, seq.spec_scope, seq.token_ids,
+                                  seq.num_prompt_tokens)  # fmt: skip
+        if drafts:
+            self.spec.record(drafts, len(tokens) - 1)
+            self.proposer.feedback(seq.spec_scope, drafts, len(tokens) - 1)
+            if not seq.is_finished:
+                seq.num_computed_tokens += len(tokens) - 1
+                self.kv.cache_computed_blocks(seq)
+                self.kv.trim(seq)
+        return out
+
+    def _propose(self) -> None:
+        """Drafts for the next step, while the batch is small enough that verifying them is
+        cheaper than the steps they save."""
+        cfg, running = self.config, self.scheduler.running
+        if len(running) > cfg.speculative_disable_by_batch_size:
+            return
+        for seq in running:
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                continue  # still prefilling
+            # Drafts and the token after them must fit max_tokens and the context.
+            room = min(
+                cfg.num_speculative_tokens,
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            if room > 0:
+                seq.spec_token_ids = self.proposer.propose(
+                    seq.request_id, seq.spec_scope, seq.token_ids, room
+                )
+
+    def _append(self, seq: Sequence, tokens: list[int], now: float) -> RequestOutput:
         p = seq.params
         stream = self._streams[seq.request_id]
-        seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
         reason = None
-        if token in p.stop_token_ids or (
-            not p.ignore_eos and token in self.tokenizer.eos_token_ids
-        ):
-            reason = "stop"
-        else:
-            new = stream.detok.add(token)
-            cut = find_stop(stream.detok.text, len(new), p.stop)
-            if cut != -1:
-                stream.detok.text = stream.detok.text[:cut]
+        for token in tokens:
+            seq.token_ids.append(token)
+            if token in p.stop_token_ids or (
+                not p.ignore_eos and token in self.tokenizer.eos_token_ids
+            ):
                 reason = "stop"
-        if reason is None and (
-            seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            reason = "length"
+            else:
+                new = stream.detok.add(token)
+                cut = find_stop(stream.detok.text, len(new), p.stop)
+                if cut != -1:
+                    stream.detok.text = stream.detok.text[:cut]
+                    reason = "stop"
+            if reason is None and (
+                seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+            ):
+                reason = "length"
+            if reason is not None:
+                break
         text = stream.detok.text
         if reason is not None:
             self._finish(seq, reason, now)

@@ -127,6 +127,15 @@ class KVCacheManager:
                 list(zip(seq.block_table[:n], seq.block_hashes[:n], strict=True))
             )
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those `seq`'s tokens need: they held slots of drafts the
+        model rejected, never full of verified tokens, so never in the prefix cache."""
+        keep = -(-seq.num_tokens // self.block_size)
+        extra = seq.block_table[keep:]
+        if extra:
+            del seq.block_table[keep:]
+            self.pool.release(list(reversed(extra)))
+
     def free(self, seq: Sequence) -> None:
         self.pool.release(list(reversed(seq.block_table)))
         seq.block_table = []

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from tutorserve.config import EngineConfig
-from tutorserve.engine.sampler import sample
+from tutorserve.engine.sampler import sample, verify
 from tutorserve.engine.scheduler import SchedulerOutput
 from tutorserve.engine.sequence import Sequence
 from tutorserve.layers.attention import AttentionBatch, PrefillSpan, StepContext, select_backend
@@ -57,9 +57,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], list[int]]:
+    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], list[list[int]]]:
         """Compute every scheduled token; sample for requests whose known tokens are now all
-        computed. Returns those requests and their new tokens."""
+        computed. Returns those requests and their new tokens: one, or for a row that verified
+        drafts, the drafts the model agreed with and one more of its own."""
         input_ids, positions, ctx, logit_rows, samplers = self._prepare(batch)
         start = time.perf_counter()
         set_context(ctx)
@@ -71,7 +72,17 @@ class ModelRunner:
         self.last_forward_s = time.perf_counter() - start
         if logits is None:
             return [], []
-        return samplers, sample(logits, samplers, self.generator)
+        plain = [i for i, s in enumerate(samplers) if not s.spec_token_ids]
+        rows = np.cumsum([0] + [1 + len(s.spec_token_ids) for s in samplers])
+        out: list[list[int]] = [[] for _ in samplers]
+        if plain:
+            picked = sample(logits[rows[plain]], [samplers[i] for i in plain], self.generator)
+            for i, tok in zip(plain, picked, strict=True):
+                out[i] = [tok]
+        for i, seq in enumerate(samplers):
+            if seq.spec_token_ids:
+                out[i] = verify(logits[rows[i] : rows[i + 1]], seq, self.generator)
+        return samplers, out
 
     def _prepare(
         self, batch: SchedulerOutput
@@ -86,6 +97,7 @@ class ModelRunner:
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.spec_token_ids)  # the scheduler kept those that fit this step
             pos = np.arange(start, end)
             table = seq.block_table[: -(-end // bs)]
             pos_parts.append(pos)
@@ -94,10 +106,11 @@ class ModelRunner:
                 attn.decode_tables.append(table)
                 attn.decode_hashes.append(seq.block_hashes)
                 attn.decode_lens.append(end)
-            else:
+            else:  # a prefill chunk, or a row with drafts: causal over its own new tokens
                 attn.prefills.append(PrefillSpan(offset, offset + n, start, table))
-            if end == seq.num_tokens:
-                logit_rows.append(offset + n - 1)
+            if end >= seq.num_tokens:  # logits at the last known token and at every draft
+                first = offset + seq.num_tokens - 1 - start
+                logit_rows.extend(range(first, offset + n))
                 samplers.append(seq)
             offset += n
         ctx = StepContext(

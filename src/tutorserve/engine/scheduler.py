@@ -25,7 +25,8 @@ _LPM_WINDOW = 64  # waiting requests ordered per admission; bounds the cost unde
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    # One-token rows first (decode-shaped), then multi-token prefill chunks.
+    # One-token rows first (decode-shaped), then multi-token ones: prefill chunks, and decode
+    # rows verifying drafts (their token count includes the drafts).
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -79,7 +80,10 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
+            if seq.spec_token_ids and not self.kv.allocate(seq, n):
+                n = 1  # drafts are dropped before anyone is preempted for their blocks
+            del seq.spec_token_ids[max(0, n - 1) :]
             while not self.kv.allocate(seq, n):
                 victim = running.pop()
                 self._preempt(victim)
@@ -213,6 +217,7 @@ class Scheduler:
         return aged
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.spec_token_ids.clear()
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         self._release_lora(seq)

@@ -54,6 +54,9 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
+    # Drafted next tokens (speculative decoding), verified in its next step; not yet tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_scope: bytes = b""  # requests of one scope draft from each other's outputs
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

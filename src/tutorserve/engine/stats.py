@@ -4,7 +4,7 @@ engine internals."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,21 @@ class TierSnapshot:
     blocks: int
 
 
+@dataclass(slots=True)
+class SpecCounters:
+    """Speculative decoding so far: decode rows that verified drafts, tokens drafted, and
+    drafted tokens the model accepted (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     num_running: int  # requests in the running batch
@@ -37,6 +52,7 @@ class EngineStats:
     prefix_hit_tokens: int  # ... and found there
     num_preemptions: int
     tiers: tuple[TierSnapshot, ...]  # empty without KV tiers
+    spec: SpecCounters = field(default_factory=SpecCounters)  # a copy
 
     @property
     def kv_blocks_empty(self) -> int:

@@ -73,6 +73,13 @@ class _EngineStateCollector(Collector):
             "Requests preempted to free KV blocks.",
             value=s.num_preemptions,
         )
+        for name, doc, value in (
+            ("num_drafts", "Decode rows that verified drafted tokens.", s.spec.num_drafts),
+            ("num_draft_tokens", "Tokens drafted.", s.spec.num_draft_tokens),
+            ("num_accepted_tokens", "Drafted tokens accepted.", s.spec.num_accepted_tokens),
+        ):
+            yield CounterMetricFamily(_P + "spec_decode_" + name, "Speculative decoding: " + doc,
+                                      value=value)  # fmt: skip
         if s.tiers:
             yield from _tier_metrics(s.tiers)
 

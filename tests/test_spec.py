@@ -1,0 +1,217 @@
+"""Speculative decoding: the n-gram proposer; greedy output identical to plain decoding with
+prefix caching, preemption, both attention backends, LoRA and the context limit; rejected drafts
+leave no KV behind (no leaked block, nothing wrong in the prefix cache); and verification keeps
+the sampling distribution."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from tutorserve import LLM, SamplingParams
+from tutorserve.engine.sampler import verify
+from tutorserve.engine.sequence import Sequence
+from tutorserve.layers.attention.gather import GatherBackend
+from tutorserve.lora.synth import synth_lora
+from tutorserve.models.loader import load_model_config
+from tutorserve.spec import NgramProposer, SuffixProposer, proposer_named
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SPEC = {
+    "speculative": "ngram",
+    "num_speculative_tokens": 4,
+    "speculative_disable_by_batch_size": 64,
+}
+
+
+def test_ngram_proposer_drafts_what_followed_the_latest_match():
+    ngram = NgramProposer(min_n=2, max_n=3)
+
+    def propose(tokens, k):
+        return ngram.propose("r", b"", tokens, k)
+
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 7, 1, 2, 3]
+    assert propose(tokens, 4) == [5, 6, 7, 1]  # the later of two [1, 2, 3]
+    assert propose(tokens, 2) == [5, 6]
+    assert propose([*tokens[:-1], 8], 4) == []  # [2, 8] never occurred
+    assert propose([5, 6, 5, 6], 4) == [5, 6]  # a match near the end drafts what is left
+    assert propose(tokens, 0) == []
+    with pytest.raises(ValueError, match="speculative must be one of ngram, suffix"):
+        proposer_named("medusa")
+
+
+def test_suffix_proposer_drafts_one_students_reply_from_anothers():
+    suffix = SuffixProposer(min_n=2, max_n=4)
+    course, other = b"algebra", b"english"
+    prompt_a, reply_a = [7, 7, 50, 51], [10, 11, 12, 13, 14, 15]
+    suffix.observe("a", course, prompt_a + reply_a[:3], 4)  # indexed as it streams
+    suffix.observe("a", course, prompt_a + reply_a, 4)
+    prompt_b = [8, 8, 50, 51]  # another student: same prompt ending (the chat template's)
+    # At the reply's start, the prompt's end matches; the draft length starts at 4.
+    assert suffix.propose("b", course, prompt_b, 8) == reply_a[:4]
+    assert suffix.propose("b", course, [*prompt_b, 10, 11], 3) == [12, 13, 14]
+    assert suffix.propose("b", other, prompt_b, 4) == []  # another course: nothing to draft
+    # Its own text still drafts when the scope has nothing (prompt lookup).
+    assert suffix.propose("b", other, [1, 2, 3, 1, 2], 4) == [3, 1, 2]
+    assert suffix.propose("a", course, prompt_a, 4) == []  # never its own output
+    for _ in range(20):
+        suffix.feedback(course, 4, 0)  # nothing accepted: drafts shrink to two tokens
+    assert suffix.propose("b", course, prompt_b, 8) == reply_a[:2]
+
+
+def test_suffix_proposer_stays_within_its_token_budget():
+    suffix = SuffixProposer(min_n=2, max_n=3, max_tokens_per_scope=100, max_scopes=2)
+    for i in range(50):
+        suffix.observe(f"r{i}", b"c", [1, 2, *range(100 + i, 130 + i)], 2)
+    scope = suffix._scopes[b"c"]
+    assert scope.num_tokens <= 100 and len(scope.texts) <= 4
+    assert set(suffix._seen) == set(scope.texts)
+    for name in (b"d", b"e"):
+        suffix.observe("x" + name.decode(), name, [1, 2, 3], 2)
+    assert list(suffix._scopes) == [b"d", b"e"]  # the least recently used scope went
+    assert set(suffix._seen) == {"xd", "xe"}
+
+
+def _no_leaks(llm: LLM) -> None:
+    pool = llm.engine.kv.pool
+    pool.check_integrity()
+    assert pool.num_free == pool.num_blocks
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def plain(synth_llama, mixed_prompts):
+    llm = LLM(synth_llama, dtype="float32", enable_prefix_caching=False)
+    return [o.token_ids for o in llm.generate(mixed_prompts, GREEDY)]
+
+
+@pytest.mark.parametrize(
+    ("method", "caching", "backend"),
+    [
+        ("ngram", True, "cpu-kernel"),
+        ("ngram", False, "cpu-kernel"),
+        ("ngram", True, "gather"),
+        ("suffix", True, "cpu-kernel"),
+        ("suffix", False, "gather"),
+    ],
+)
+def test_greedy_output_is_identical_with_speculation(
+    synth_llama, mixed_prompts, plain, method, caching, backend
+):
+    llm = LLM(synth_llama, dtype="float32", enable_prefix_caching=caching,
+              **{**SPEC, "speculative": method})  # fmt: skip
+    if backend == "gather":
+        llm.engine.runner.backend = GatherBackend()
+    outs = llm.generate(mixed_prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    spec = llm.engine.stats().spec
+    # Both kinds of step happened: drafts accepted, and drafts rejected.
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    _no_leaks(llm)
+
+
+def test_cached_blocks_hold_no_rejected_draft(synth_llama, mixed_prompts, plain):
+    """A second turn (prompt + reply) hits the blocks the first turn wrote while speculating;
+    its output must equal a plain engine's, which it would not if a rejected draft's K/V had
+    been published."""
+    llm = LLM(synth_llama, dtype="float32", **SPEC)
+    first = llm.generate(mixed_prompts, GREEDY)
+    second_prompts = [p + o.token_ids for p, o in zip(mixed_prompts, first, strict=True)]
+    fresh = LLM(synth_llama, dtype="float32", enable_prefix_caching=False)
+    want = [o.token_ids for o in fresh.generate(second_prompts, GREEDY)]
+    outs = llm.generate(second_prompts, GREEDY)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.metrics.num_cached_tokens for o in outs) > sum(len(p) for p in mixed_prompts)
+    _no_leaks(llm)
+
+
+def test_speculation_under_preemption(synth_llama, mixed_prompts, plain):
+    llm = LLM(
+        synth_llama, dtype="float32", num_kv_blocks=24, max_model_len=384,
+        max_num_batched_tokens=64, **SPEC,
+    )  # fmt: skip
+    outs = llm.generate(mixed_prompts, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().spec.num_accepted_tokens > 0
+    assert [o.token_ids for o in outs] == plain
+    _no_leaks(llm)
+
+
+def test_speculation_stops_at_the_context_limit_and_at_max_tokens(synth_llama, mixed_prompts):
+    prompts = [p for p in mixed_prompts if 40 < len(p) < 130][:4]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=500, ignore_eos=True),  # runs into max_model_len
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    ):
+        want = LLM(synth_llama, dtype="float32", max_model_len=160).generate(prompts, params)
+        llm = LLM(synth_llama, dtype="float32", max_model_len=160, **SPEC)
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        assert [o.finish_reason for o in outs] == [o.finish_reason for o in want]
+        assert all(len(p) + len(o.token_ids) <= 160 for p, o in zip(prompts, outs, strict=True))
+        assert llm.engine.stats().spec.num_drafts > 0
+        _no_leaks(llm)
+
+
+def test_drafts_are_verified_with_the_rows_adapter(synth_llama, mixed_prompts, tmp_path):
+    cfg = load_model_config(synth_llama)
+    loras = {
+        f"l{i}": str(synth_lora(tmp_path / f"l{i}", cfg, 8, seed=i, strength=1.5)) for i in range(2)
+    }
+    names = [None, "l0", "l1"]
+
+    def run(**kw):
+        llm = LLM(synth_llama, dtype="float32", lora_modules=loras, **kw)
+        lora = [names[i % 3] for i in range(6)]
+        return llm, [o.token_ids for o in llm.generate(mixed_prompts[:6], GREEDY, lora=lora)]
+
+    _, want = run()
+    llm, got = run(**SPEC)
+    assert got == want
+    assert llm.engine.stats().spec.num_accepted_tokens > 0
+
+
+CHI2_5DF_P001 = 20.515  # chi-square, 5 degrees of freedom (6 tokens), p = 0.001
+
+
+def _target(logits: torch.Tensor, temperature: float, top_k: int) -> np.ndarray:
+    """The sampling distribution, computed here independently of the sampler."""
+    z = logits.double() / temperature
+    z[z < z.topk(top_k).values[-1]] = float("-inf")
+    return torch.softmax(z, dim=-1).numpy()
+
+
+@pytest.mark.parametrize("draft", [1, 6])  # a likely draft and an unlikely one
+def test_verification_keeps_the_sampling_distribution(draft):
+    """Rejection sampling with a one-hot draft: over many seeds, the first emitted token is
+    distributed as plain sampling draws it, and so is the token after an accepted draft."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 8, generator=g) * 1.5
+    logits[0, 1] += 2.0  # token 1 likely at the first position
+    params = SamplingParams(temperature=0.8, top_k=6, max_tokens=4)
+    n = 20_000
+    first, second = np.zeros(8), np.zeros(8)
+    for seed in range(n):
+        seq = Sequence("r", [0], replace(params, seed=seed))
+        seq.spec_token_ids = [draft]
+        out = verify(logits, seq, torch.Generator())
+        first[out[0]] += 1
+        if len(out) == 2:
+            second[out[1]] += 1
+    assert second.sum() == first[draft]  # a second token exactly when the draft was kept
+    for counts, want in ((first, _target(logits[0], 0.8, 6)), (second, _target(logits[1], 0.8, 6))):
+        assert counts[want == 0].sum() == 0  # nothing outside the top 6
+        expected = counts.sum() * want[want > 0]
+        chi2 = ((counts[want > 0] - expected) ** 2 / expected).sum()
+        assert chi2 < CHI2_5DF_P001, (counts, expected)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(synth_llama, mixed_prompts):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True)
+    runs = [
+        [o.token_ids for o in LLM(synth_llama, dtype="float32", **SPEC).generate(
+            mixed_prompts[:4], params)]
+        for _ in range(2)
+    ]  # fmt: skip
+    assert runs[0] == runs[1]
