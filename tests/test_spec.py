@@ -15,7 +15,7 @@ from tutorserve.engine.sequence import Sequence
 from tutorserve.layers.attention.gather import GatherBackend
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
-from tutorserve.spec import NgramProposer, SuffixProposer, proposer_named
+from tutorserve.spec import NgramProposer, SuffixProposer, proposer_named, scope_key
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SPEC = {
@@ -215,3 +215,12 @@ def test_seeded_sampling_with_speculation_is_reproducible(synth_llama, mixed_pro
         for _ in range(2)
     ]  # fmt: skip
     assert runs[0] == runs[1]
+
+
+def test_scopes_follow_the_name_else_the_prompt_start_and_never_cross_adapters():
+    course = list(range(300))
+    a, b = [*course, 1, 2], [*course, 3]  # two students of one course
+    assert scope_key(a, None) == scope_key(b, None) != scope_key(list(range(1, 301)), None)
+    assert scope_key(a, "explain/algebra/p1/1") == scope_key([9], "explain/algebra/p1/1")
+    assert scope_key(a, "explain/algebra/p1/1") != scope_key(a, "explain/algebra/p1/2")
+    assert scope_key(a, None) != scope_key(a, None, b"adapter")

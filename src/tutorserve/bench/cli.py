@@ -9,6 +9,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -370,6 +371,17 @@ def _write_report(results: list[dict], png: Path, title: str, command: str | Non
     return "\n".join(lines)
 
 
+def _save(folder: str, name: str, data: Any, plot: Callable[[Path], None]) -> None:
+    """NAME.json (the results) and NAME.png (`plot`) in `folder`; then the date, the machine and
+    the command, which head every benchmark's printed table."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    plot(out / f"{name}.png")
+    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
+    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+
+
 def _machine() -> str:
     """The CPU, its cores and its ISA: the best kernel level it runs, and the level running."""
     from tutorserve.kernels import isa
@@ -410,12 +422,7 @@ def cmd_kv_restore(a: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory() as d:
             path = str(synth_model(d, spec))
             results += run_restore(path, lengths, a.repeats, opts, label="synth-200M")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv-restore.json").write_text(json.dumps(as_json(results), indent=1))
-    restore_plot(results, out / "kv-restore.png")
-    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
-    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+    _save(a.out, "kv-restore", as_json(results), lambda png: restore_plot(results, png))
     print(restore_table(results))
     return 0
 
@@ -438,13 +445,10 @@ def cmd_multi_lora(a: argparse.Namespace) -> int:
         rank=a.rank, max_loras=a.max_loras, repeats=a.repeats, engine_options=opts,
         vllm_model_dir=hf_dir,
     )  # fmt: skip
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dump = {k: [asdict(r) for r in v] for k, v in results.items()}
-    (out / "multi-lora.json").write_text(json.dumps(dump, indent=1))
-    plot(results, out / "multi-lora.png", f"multi-LoRA, {a.model}, rank {a.rank}")
-    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
-    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+    _save(
+        a.out, "multi-lora", {k: [asdict(r) for r in v] for k, v in results.items()},
+        lambda png: plot(results, png, f"multi-LoRA, {a.model}, rank {a.rank}"),
+    )  # fmt: skip
     print(markdown_table(results))
     if "no LoRA" in results:
         base = median_run(results["no LoRA"]).output_tps
@@ -465,12 +469,7 @@ def cmd_tutor(a: argparse.Namespace) -> int:
     if a.students < 1 or a.problems < 1:
         raise ValueError("--students and --problems must be at least 1")
     samples, cache = run_tutor_bench(a.model, a.students, a.problems, {"dtype": a.dtype})
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tutor.json").write_text(json.dumps(as_json(samples, cache), indent=1))
-    plot(samples, out / "tutor.png")
-    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
-    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+    _save(a.out, "tutor", as_json(samples, cache), lambda png: plot(samples, png))
     print(summary_table(samples))
     print()
     print(step_table(samples))
@@ -496,12 +495,7 @@ def cmd_spec(a: argparse.Namespace) -> int:
     results, same = run_spec_bench(
         a.model, methods, concurrencies, a.students, a.num_prompts, a.max_tokens, options
     )
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "spec.json").write_text(json.dumps(as_json(results, same), indent=1))
-    plot(results, out / "spec.png")
-    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
-    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+    _save(a.out, "spec", as_json(results, same), lambda png: plot(results, png))
     print(table(results))
     replies = sum(r.requests for r in results if r.method == methods[0])
     print("\nreplies equal to " + methods[0] + "'s: "

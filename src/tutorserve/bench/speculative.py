@@ -133,7 +133,10 @@ def table(results: list[SpecResult]) -> str:
     ]
     for r in results:
         ref = base.get(r.concurrency)
-        gain = f"{ref.mean_tpot_ms / r.mean_tpot_ms:.2f}× lower" if ref and r is not ref else "–"
+        gain = "–"
+        if ref and r is not ref:
+            x = ref.mean_tpot_ms / r.mean_tpot_ms
+            gain = f"{x:.2f}× lower" if x >= 1 else f"{1 / x:.2f}× higher"
         rate = f"{r.accepted}/{r.drafted} ({r.accepted / r.drafted:.0%})" if r.drafted else "–"
         lines.append(
             f"| {r.method} | {r.concurrency} | {r.mean_tpot_ms:.1f} | {gain} "

@@ -61,6 +61,7 @@ class _Pending:
     priority: int
     session_id: str | None
     lora: str | None
+    spec_scope: str | None
 
 
 class RequestStream:
@@ -205,6 +206,7 @@ class AsyncEngine:
         user: str | None = None,
         session_id: str | None = None,
         lora: str | None = None,
+        spec_scope: str | None = None,
     ) -> RequestStream:
         """Queue a validated request, or raise AdmissionError if the server is full."""
         if not self.healthy:
@@ -228,7 +230,9 @@ class AsyncEngine:
             self._streams[request_id] = stream
             if user is not None:
                 self._users[user] += 1
-            self._adds.append(_Pending(request_id, prompt_ids, params, priority, session_id, lora))
+            self._adds.append(
+                _Pending(request_id, prompt_ids, params, priority, session_id, lora, spec_scope)
+            )
             self._cond.notify()
         return stream
 
@@ -334,6 +338,7 @@ class AsyncEngine:
                 priority=p.priority,
                 session_id=p.session_id,
                 lora=p.lora,
+                spec_scope=p.spec_scope,
             )
         except ValueError as e:  # validated on the loop already; kept so one request can't kill
             return e

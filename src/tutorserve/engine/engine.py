@@ -11,7 +11,7 @@ import torch
 from tutorserve.config import EngineConfig
 from tutorserve.engine.detokenizer import IncrementalDetokenizer, find_stop
 from tutorserve.engine.device import resolve_device, resolve_dtype, resolve_kv_dtype
-from tutorserve.engine.kv_cache_manager import KVCacheManager, hash_block
+from tutorserve.engine.kv_cache_manager import KVCacheManager
 from tutorserve.engine.kv_tiers import TieredKVStore, model_fingerprint
 from tutorserve.engine.model_runner import ModelRunner
 from tutorserve.engine.outputs import RequestMetrics, RequestOutput
@@ -21,12 +21,9 @@ from tutorserve.engine.stats import EngineStats, SpecCounters
 from tutorserve.lora.manager import LoRAManager
 from tutorserve.models.loader import load_model
 from tutorserve.sampling_params import SamplingParams
-from tutorserve.spec import proposer_named
+from tutorserve.spec import proposer_named, scope_key
 
 log = logging.getLogger(__name__)
-# Requests whose prompts share their first this many tokens (one course's system prompt and the
-# start of its material) draft from each other's outputs (spec/suffix.py).
-SPEC_SCOPE_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -185,7 +182,10 @@ class LLMEngine:
         arrival_time: float | None = None,
         session_id: str | None = None,
         lora: str | None = None,
+        spec_scope: str | None = None,
     ) -> Sequence:
+        """Queue a request. `spec_scope` names the requests whose outputs its drafts may come
+        from (speculative decoding; default: those whose prompts start alike)."""
         params = params or SamplingParams()
         params.validate()
         if request_id in self.seqs:
@@ -198,7 +198,7 @@ class LLMEngine:
             request_id, ids, params, prompt=text, priority=priority, session_id=session_id
         )
         seq.lora, seq.cache_salt = lora, salt
-        seq.spec_scope = hash_block(b"", ids[:SPEC_SCOPE_TOKENS], salt)
+        seq.spec_scope = scope_key(ids, spec_scope, salt)
         if lora is not None:
             self.lora.prefetch(lora)  # type: ignore[union-attr]
         if arrival_time is not None:

@@ -3,7 +3,7 @@ it has seen, for the engine to verify in one forward (several query tokens per r
 longest prefix the model itself would have produced (`engine/sampler.py: verify`)."""
 
 from tutorserve.spec.ngram import NgramProposer
-from tutorserve.spec.proposer import Proposer
+from tutorserve.spec.proposer import Proposer, scope_key
 from tutorserve.spec.suffix import SuffixProposer
 
 PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "suffix": SuffixProposer}
@@ -15,4 +15,6 @@ def proposer_named(name: str) -> Proposer:
     return PROPOSERS[name]()
 
 
-__all__ = ["PROPOSERS", "NgramProposer", "Proposer", "SuffixProposer", "proposer_named"]
+__all__ = [
+    "PROPOSERS", "NgramProposer", "Proposer", "SuffixProposer", "proposer_named", "scope_key",
+]  # fmt: skip

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
+from array import array
+
+# Unnamed requests whose prompts share their first this many tokens (one course's system prompt
+# and the start of its material) share a scope.
+SCOPE_TOKENS = 256
+
+
+def scope_key(prompt: list[int], name: str | None, salt: bytes = b"") -> bytes:
+    """A request's scope: its name's, when it gives one (the tutor names course, problem and
+    rung), else its prompt start's; `salt` keeps adapters apart (their outputs differ)."""
+    h = hashlib.blake2b(salt, digest_size=16)
+    if name is None:
+        h.update(b"prompt:" + array("i", prompt[:SCOPE_TOKENS]).tobytes())
+    else:
+        h.update(b"name:" + name.encode())
+    return h.digest()
 
 
 class Proposer(ABC):

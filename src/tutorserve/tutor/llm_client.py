@@ -19,11 +19,15 @@ Messages = list[dict[str, str]]
 
 
 class ChatLLM(Protocol):
+    """`scope` names the calls whose replies tend to repeat (one problem's hints at one rung):
+    our engine's speculative decoding drafts each from the others; other servers ignore it."""
+
     name: str
 
     def stream(
-        self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None
-    ) -> AsyncIterator[str]: ...
+        self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None,
+        scope: str | None = None,
+    ) -> AsyncIterator[str]: ...  # fmt: skip
 
 
 async def complete(
@@ -33,13 +37,15 @@ async def complete(
     max_tokens: int,
     temperature: float = 0.0,
     session_id: str | None = None,
+    scope: str | None = None,
 ) -> str:
     parts = [
         d
         async for d in llm.stream(
-            messages, max_tokens=max_tokens, temperature=temperature, session_id=session_id
+            messages, max_tokens=max_tokens, temperature=temperature, session_id=session_id,
+            scope=scope,
         )
-    ]
+    ]  # fmt: skip
     return "".join(parts)
 
 
@@ -60,13 +66,14 @@ class EngineLLM:
         return ids
 
     async def stream(
-        self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None
-    ) -> AsyncIterator[str]:
+        self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None,
+        scope: str | None = None,
+    ) -> AsyncIterator[str]:  # fmt: skip
         ids = await asyncio.to_thread(self._prompt, messages, max_tokens)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
         rid = f"tutor-{uuid.uuid4().hex}"
         async with self.server.submit(
-            rid, ids, params, session_id=session_id, lora=self.lora
+            rid, ids, params, session_id=session_id, lora=self.lora, spec_scope=scope
         ) as stream:
             async for out in stream:
                 if out.delta_text:
@@ -83,8 +90,9 @@ class OpenAILLM:
         self.name = model
 
     async def stream(
-        self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None
-    ) -> AsyncIterator[str]:
+        self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None,
+        scope: str | None = None,
+    ) -> AsyncIterator[str]:  # fmt: skip
         headers = {"X-Session-Id": session_id} if session_id else None
         chunks = await self.client.chat.completions.create(
             model=self.name,

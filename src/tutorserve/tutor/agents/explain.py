@@ -67,8 +67,9 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
                 d.get("reason", ""), state.get("material", []), strict,
             )  # fmt: skip
             deltas = services.llm.stream(
-                messages, max_tokens=96, temperature=0.3, session_id=turn.session_id
-            )
+                messages, max_tokens=96, temperature=0.3, session_id=turn.session_id,
+                scope=f"explain/{turn.course.id}/{turn.problem.id}/{level}",
+            )  # fmt: skip
             # The answer is the point of a confirmation or a correction: no guard there.
             watched = None if level in (0, MAX_LEVEL) else turn.problem
             try:
