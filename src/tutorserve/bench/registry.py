@@ -75,6 +75,8 @@ PEERS = {
         Peer("tutorserve-gguf", partial(tutorserve_server, quantization="auto"),
              partial(_ours, "tutorserve (GGUF blocks)", "tutorserve-gguf",
                      quantization="auto")),
+        Peer("tutorserve-ngram", partial(tutorserve_server, speculative="ngram")),
+        Peer("tutorserve-suffix", partial(tutorserve_server, speculative="suffix")),
         Peer("tutorserve-warm", None, partial(_ours, "tutorserve (prefix cache, courses warm)",
                                               "tutorserve-warm", primed=True)),
         Peer("tutorserve-nocache", None, partial(_ours, "tutorserve (no prefix cache)",

@@ -72,15 +72,21 @@ class ServeSpec:
 
 
 def tutorserve_server(
-    name: str, s: ServeSpec, tiers: bool = True, quantization: str = "none"
+    name: str,
+    s: ServeSpec,
+    tiers: bool = True,
+    quantization: str = "none",
+    speculative: str | None = None,
 ) -> System:
     # A fresh disk tier per run: one left by an earlier run would flatter this one.
-    kv = ["--kv-disk-dir", tempfile.mkdtemp(prefix="bench-kv-")]
+    extra = ["--kv-disk-dir", tempfile.mkdtemp(prefix="bench-kv-")]
     if not tiers:
-        kv = ["--kv-ram-gb", "0", "--kv-disk-gb", "0"]
+        extra = ["--kv-ram-gb", "0", "--kv-disk-gb", "0"]
+    if speculative is not None:
+        extra += ["--speculative", speculative]
     argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--model", s.files.gguf,
             "--served-model-name", s.files.name, "--dtype", s.dtype, "--max-num-seqs",
-            str(s.max_num_seqs), "--kv-cache-gb", f"{s.kv_cache_gb:g}", *kv, "--max-waiting",
+            str(s.max_num_seqs), "--kv-cache-gb", f"{s.kv_cache_gb:g}", *extra, "--max-waiting",
             "100000", "--quantization", quantization, *s.listen]  # fmt: skip
     return System(name, argv)
 
