@@ -19,6 +19,7 @@ from tutorserve.bench.systems import host_dtype
 from tutorserve.config import EngineConfig, add_engine_args, engine_options
 from tutorserve.engine.policy import POLICIES
 from tutorserve.models.registry import DEFAULT_MODEL
+from tutorserve.spec import PROPOSERS
 
 log = logging.getLogger(__name__)
 # Engine options `bench offline` passes to our engine (vLLM gets the same batch limit).
@@ -116,6 +117,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", **DTYPE_ARG)
     p.add_argument("--students", type=int, default=4, help="concurrent students per course")
     p.add_argument("--problems", type=int, default=3, help="problems each student works through")
+    add_engine_args(p, only=("quantization", "speculative", "num_speculative_tokens",
+                             "speculative_disable_by_batch_size"),
+                    choices={"speculative": list(PROPOSERS)})  # fmt: skip
     p.add_argument("--out", default="bench-results/tutor")
     p.set_defaults(func=cmd_tutor)
 
@@ -468,13 +472,18 @@ def cmd_tutor(a: argparse.Namespace) -> int:
 
     if a.students < 1 or a.problems < 1:
         raise ValueError("--students and --problems must be at least 1")
-    samples, cache = run_tutor_bench(a.model, a.students, a.problems, {"dtype": a.dtype})
+    options = engine_options(a) | {"dtype": a.dtype}
+    samples, cache = run_tutor_bench(a.model, a.students, a.problems, options)
     _save(a.out, "tutor", as_json(samples, cache), lambda png: plot(samples, png))
     print(summary_table(samples))
     print()
     print(step_table(samples))
     hit = cache["prefix_hit_tokens"] / max(1, cache["prompt_tokens"])
     print(f"\nprefix cache: {hit:.1%} of {cache['prompt_tokens']} prompt tokens served from cache")
+    if drafted := cache["spec_draft_tokens"]:
+        kept = cache["spec_accepted_tokens"]
+        print(f"speculative decoding: {kept} of {drafted} drafted tokens accepted "
+              f"({kept / drafted:.0%})")  # fmt: skip
     return 0
 
 

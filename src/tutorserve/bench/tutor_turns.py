@@ -104,9 +104,14 @@ async def _run(
         finally:
             await service.close()
             await server.stop()
-    kv = server.engine.kv
-    cache = {"prompt_tokens": kv.prefix_query_tokens, "prefix_hit_tokens": kv.prefix_hit_tokens}
-    return [s for run in runs for s in run], cache
+    kv, spec = server.engine.kv, server.engine.stats().spec
+    counts = {
+        "prompt_tokens": kv.prefix_query_tokens,
+        "prefix_hit_tokens": kv.prefix_hit_tokens,
+        "spec_draft_tokens": spec.num_draft_tokens,
+        "spec_accepted_tokens": spec.num_accepted_tokens,
+    }
+    return [s for run in runs for s in run], counts
 
 
 def run_tutor_bench(
@@ -172,4 +177,4 @@ def plot(samples: list[TurnSample], path: Path) -> None:
 
 
 def as_json(samples: list[TurnSample], cache: dict[str, int]) -> dict[str, Any]:
-    return {"turns": [asdict(s) for s in samples], "prefix_cache": cache}
+    return {"turns": [asdict(s) for s in samples], "counters": cache}
