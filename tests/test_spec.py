@@ -224,3 +224,28 @@ def test_scopes_follow_the_name_else_the_prompt_start_and_never_cross_adapters()
     assert scope_key(a, "explain/algebra/p1/1") == scope_key([9], "explain/algebra/p1/1")
     assert scope_key(a, "explain/algebra/p1/1") != scope_key(a, "explain/algebra/p1/2")
     assert scope_key(a, None) != scope_key(a, None, b"adapter")
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_reply_where_plain_decoding_does(
+    synth_llama, mixed_prompts
+):
+    prompts = mixed_prompts[:6]
+    plain_llm = LLM(synth_llama, dtype="float32")
+    texts = [o.text for o in plain_llm.generate(prompts, GREEDY)]
+
+    def late_stop(text: str) -> str:
+        """4 characters whose first occurrence is as late in `text` as possible."""
+        at = max(i for i in range(len(text) - 3) if text.find(text[i : i + 4]) == i)
+        return text[at : at + 4]
+
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[late_stop(t)])
+        for t in texts
+    ]
+    want = [(o.text, o.finish_reason) for o in plain_llm.generate(prompts, params)]
+    llm = LLM(synth_llama, dtype="float32", **{**SPEC, "speculative": "suffix"})
+    outs = llm.generate(prompts, params)
+    assert [(o.text, o.finish_reason) for o in outs] == want
+    assert sum(o.finish_reason == "stop" for o in outs) >= 4
+    assert llm.engine.stats().spec.num_accepted_tokens > 0
+    _no_leaks(llm)
