@@ -372,6 +372,9 @@ def test_speculative_decoding_over_http_matches_and_is_counted(synth_llama):
         assert r.json()["choices"][0]["text"] == want.text
         m = server.metrics()
         assert m["tutorserve:spec_decode_num_draft_tokens_total"] > 0
-        assert m["tutorserve:spec_decode_num_accepted_tokens_total"] > 0
+        accepted = m["tutorserve:spec_decode_num_accepted_tokens_total"]
+        assert accepted > 0
+        per_pos = [v for k, v in m.items() if "accepted_tokens_per_pos_total{position=" in k]
+        assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     finally:
         server.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -145,7 +145,7 @@ class LLMEngine:
             prefix_hit_tokens=kv.prefix_hit_tokens,
             num_preemptions=sched.num_preemptions,
             tiers=() if self.store is None else tuple(t.snapshot() for t in self.store.tiers),
-            spec=replace(self.spec),
+            spec=self.spec.copy(),
         )
 
     def on_idle(self) -> None:

@@ -80,6 +80,14 @@ class _EngineStateCollector(Collector):
         ):
             yield CounterMetricFamily(_P + "spec_decode_" + name, "Speculative decoding: " + doc,
                                       value=value)  # fmt: skip
+        per_pos = CounterMetricFamily(
+            _P + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: drafts whose token at this position was accepted.",
+            labels=["position"],
+        )
+        for i, n in enumerate(s.spec.accepted_per_position):
+            per_pos.add_metric([str(i)], n)
+        yield per_pos
         if s.tiers:
             yield from _tier_metrics(s.tiers)
 
