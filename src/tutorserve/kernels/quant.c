@@ -23,7 +23,9 @@
 #include "simd.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-enum { CHUNK = 16, BATCH_TILE = 4 };
+/* Activation rows multiplied per pass over a weight row: 8 where 32 vector registers hold their
+ * accumulators (AVX-512), else 4. A decode row verifying 4 drafts is 5 rows: one pass. */
+enum { CHUNK = 16, MAX_TILE = 8, BATCH_TILE = VL == 16 ? MAX_TILE : 4 };
 
 /* An IEEE half at p (unaligned, little-endian) as float32: one instruction where F16C or
  * NEON has it, bit manipulation in the scalar build. */
@@ -342,7 +344,7 @@ __attribute__((always_inline)) static inline void block32_tile(const MatmulArgs 
                                                                const int ROWS) {
     const int nb = bytes_of(FMT);
     const uint8_t *row = a->w + r * (a->k / 32) * nb;
-    vf acc[BATCH_TILE][2];
+    vf acc[MAX_TILE][2];
     for (int b = 0; b < ROWS; b++) acc[b][0] = acc[b][1] = vzero();
     for (int64_t i = 0; i < a->k / 32; i++) {
         vf w[32 / VL];
@@ -359,11 +361,16 @@ __attribute__((always_inline)) static inline void block32_tile(const MatmulArgs 
 __attribute__((always_inline)) static inline void block32_row(const MatmulArgs *a, int64_t r,
                                                               const int FMT) {
     for (int64_t b0 = 0; b0 < a->batch; b0 += BATCH_TILE) {
-        switch (a->batch - b0) {
+        const int64_t rows = a->batch - b0 < BATCH_TILE ? a->batch - b0 : BATCH_TILE;
+        switch (rows) { /* each count its own unrolled loop; above 4 only with AVX-512 */
         case 1: block32_tile(a, FMT, r, b0, 1); break;
         case 2: block32_tile(a, FMT, r, b0, 2); break;
         case 3: block32_tile(a, FMT, r, b0, 3); break;
-        default: block32_tile(a, FMT, r, b0, BATCH_TILE); break;
+        case 4: block32_tile(a, FMT, r, b0, 4); break;
+        case 5: block32_tile(a, FMT, r, b0, 5); break;
+        case 6: block32_tile(a, FMT, r, b0, 6); break;
+        case 7: block32_tile(a, FMT, r, b0, 7); break;
+        default: block32_tile(a, FMT, r, b0, 8); break;
         }
     }
 }
