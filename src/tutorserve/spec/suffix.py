@@ -46,16 +46,24 @@ class _Scope:
                 return text[end : end + k]
         return []
 
-    def evict(self, limit: int, keep: str) -> list[str]:
-        """Drop the oldest texts but `keep`'s until at most `limit` tokens remain (their index
-        entries go stale, and are skipped); the requests dropped."""
+    def evict(self, limit: int, keep: str, ns: range) -> list[str]:
+        """Drop the oldest texts but `keep`'s, and their index entries, until at most `limit`
+        tokens remain; the requests dropped."""
         dropped = []
         while self.num_tokens > limit and len(self.texts) > 1:
             oldest = next(iter(self.texts))
             if oldest == keep:
                 self.texts.move_to_end(oldest)
                 continue
-            self.num_tokens -= len(self.texts.pop(oldest))
+            text = self.texts.pop(oldest)
+            self.num_tokens -= len(text)
+            for end in range(ns.start, len(text)):
+                for n in ns:
+                    gram = tuple(text[end - n : end])
+                    if n <= end and (entries := self.index.get(gram)):
+                        entries[:] = [e for e in entries if e[0] != oldest]
+                        if not entries:
+                            del self.index[gram]
             dropped.append(oldest)
         return dropped
 
@@ -93,7 +101,7 @@ class SuffixProposer(Proposer):
         s.num_tokens += len(text) - len(s.texts.get(request, ()))
         s.add(request, text, seen, len(text), self.ns)
         self._seen[request] = len(text)
-        for dropped in s.evict(self.max_tokens_per_scope, request):
+        for dropped in s.evict(self.max_tokens_per_scope, request, self.ns):
             del self._seen[dropped]
 
     def propose(self, request: str, scope: bytes, tokens: list[int], k: int) -> list[int]:
