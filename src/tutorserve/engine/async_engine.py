@@ -9,8 +9,8 @@ The engine is built on that thread too (`make_engine`), not handed over built. L
 PyTorch ops, and a thread's first parallel op gives it an OpenMP team of its own; once the process
 holds more OpenMP threads than cores, libgomp stops spinning between parallel regions and puts
 threads to sleep instead, and each of a decode step's ~200 regions then waits for a wake-up. A
-model loaded on the main thread and stepped on this one made batch-1 decode twice as slow
-(14.7 against 31.5 ms per token, docs/benchmarks/quantization.md).
+model loaded on the main thread and stepped on this one decoded at batch 1 more than twice as
+slowly (`bench/engine_thread.py`; docs/benchmarks/quantization.md).
 
 Admission (waiting-queue cap, per-user cap) is decided on the loop before a request reaches the
 inbox, so a refused request costs nothing but its parse.
