@@ -72,6 +72,8 @@ class ModelRunner:
         self.last_forward_s = time.perf_counter() - start
         if logits is None:
             return [], []
+        if not any(s.spec_token_ids for s in samplers):  # one logit row each, as usual
+            return samplers, [[t] for t in sample(logits, samplers, self.generator)]
         plain = [i for i, s in enumerate(samplers) if not s.spec_token_ids]
         rows = np.cumsum([0] + [1 + len(s.spec_token_ids) for s in samplers])
         out: list[list[int]] = [[] for _ in samplers]

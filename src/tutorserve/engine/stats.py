@@ -32,22 +32,25 @@ class SpecCounters:
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
     # accepted_per_position[i]: drafts whose token i was accepted (so tokens 0..i were)
     accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.accepted_per_position)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
         if len(self.accepted_per_position) < accepted:
             self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
     def copy(self) -> SpecCounters:
-        return SpecCounters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                            list(self.accepted_per_position))  # fmt: skip
+        return SpecCounters(
+            self.num_drafts, self.num_draft_tokens, list(self.accepted_per_position)
+        )
 
 
 @dataclass(frozen=True, slots=True)

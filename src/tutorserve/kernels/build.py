@@ -65,9 +65,9 @@ def traced(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-# Below this many elements a kernel runs on the calling thread: waking the OpenMP team costs
-# more than it saves, and on a busy box each parallel region also waits for its slowest
-# thread, which the event loop may have preempted (docs/benchmarks/quantization.md).
+# Below this many elements a kernel runs on the calling thread: a parallel region costs a
+# hand-off to the OpenMP team and a wait for its slowest thread, more than a small norm or
+# SiLU·up saves by splitting (docs/benchmarks/quantization.md).
 PARALLEL_WORK = 1 << 15
 
 
