@@ -38,6 +38,47 @@ def test_models_health_openapi(live_server):
     assert httpx.get(live_server.url + "/health").json() == {"status": "ok"}
     paths = httpx.get(live_server.url + "/openapi.json").json()["paths"]
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics"} <= set(paths)
+    assert {"/tokenize", "/detokenize"} <= set(paths)
+
+
+def tokenize(server, **body):
+    r = httpx.post(server.url + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize(
+    "text", [QUESTIONS[3], "naïve café, ünïcode ✓ and 字", "  spaced\n\tout  "]
+)
+def test_tokenize_detokenize_round_trip(live_server, text):
+    out = tokenize(live_server, prompt=text, return_token_strs=True)
+    assert out["count"] == len(out["tokens"]) == len(out["token_strs"]) > 0
+    assert (
+        out["max_model_len"]
+        == httpx.get(live_server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    )
+    assert tokenize(live_server, model="tiny", prompt=text)["token_strs"] is None
+    r = httpx.post(live_server.url + "/detokenize", json={"model": "tiny", "tokens": out["tokens"]})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"prompt": text}
+
+
+def test_tokenize_counts_a_conversation_as_chat_completions_reads_it(live_server):
+    messages = [
+        {"role": "system", "content": "You are a patient maths tutor."},
+        {"role": "user", "content": QUESTIONS[4]},
+    ]
+    out = tokenize(live_server, model="tiny", messages=messages)
+    assert out["count"] == len(out["tokens"])
+    r = httpx.post(
+        live_server.url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 1},
+        timeout=30,
+    )
+    assert r.json()["usage"]["prompt_tokens"] == out["count"]
+    # Without the assistant's header, the same conversation is a strict prefix of it.
+    bare = tokenize(live_server, messages=messages, add_generation_prompt=False)
+    assert bare["count"] < out["count"] and out["tokens"][: bare["count"]] == bare["tokens"]
 
 
 def test_sync_client_chat_matches_offline_engine(live_server, offline):

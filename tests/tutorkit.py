@@ -42,7 +42,7 @@ class ScriptedLLM:
 
     async def stream(
         self, messages: list[dict[str, str]], *, max_tokens: int, temperature: float,
-        session_id: str | None, scope: str | None = None,
+        session_id: str | None, scope: str | None = None, regex: str | None = None,
     ) -> AsyncIterator[str]:  # fmt: skip
         agent = agent_of(messages)
         attempt = sum(1 for a, _ in self.calls if a == agent)

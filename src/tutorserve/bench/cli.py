@@ -136,6 +136,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench-results/spec")
     p.set_defaults(func=cmd_spec)
 
+    p = bench.add_parser("structured", help="TPOT with and without a JSON schema, per system")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--systems", default="tutorserve,vllm", help=f"of: {', '.join(SERVERS)}")
+    p.add_argument("--batches", default="1,32", help="concurrent requests, per run")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--dtype", **DTYPE_ARG)
+    p.add_argument("--port", type=int, default=8500)
+    p.add_argument("--out", default="bench-results/structured")
+    p.set_defaults(func=cmd_structured)
+
     p = bench.add_parser("roofline", help="this machine's decode upper bound for a model")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--context", type=int, default=1500, help="KV tokens per sequence")
@@ -509,6 +520,29 @@ def cmd_spec(a: argparse.Namespace) -> int:
     replies = sum(r.requests for r in results if r.method == methods[0])
     print("\nreplies equal to " + methods[0] + "'s: "
           + ", ".join(f"{m} {n}/{replies}" for m, n in same.items()))  # fmt: skip
+    return 0
+
+
+def cmd_structured(a: argparse.Namespace) -> int:
+    from tutorserve.bench.structured import as_json, plot, run_structured_bench, table
+    from tutorserve.bench.systems import ModelFiles
+    from tutorserve.models.registry import resolve
+
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    if unknown := set(systems) - set(SERVERS):
+        raise ValueError(f"unknown system(s): {', '.join(sorted(unknown))}")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    batches = [int(b) for b in a.batches.split(",")]
+    if min(batches) < 1 or a.repeats < 1 or a.max_tokens < 2:
+        raise ValueError("--batches and --repeats must be >= 1, --max-tokens >= 2")
+    path = resolve(a.model)
+    files = ModelFiles(a.model, str(path), _hf_dir(a.model, path))
+    results = run_structured_bench(systems, files, batches, a.repeats, a.max_tokens,
+                                   Path(a.out), a.port, a.dtype)  # fmt: skip
+    if not results:
+        raise ValueError("no system could run; see the warnings above")
+    _save(a.out, "structured", as_json(results), lambda png: plot(results, png))
+    print(table(results))
     return 0
 
 

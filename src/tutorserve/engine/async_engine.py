@@ -35,7 +35,7 @@ from tutorserve.engine.engine import LLMEngine
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.engine.stats import EngineStats
 from tutorserve.models.tokenizer import Tokenizer
-from tutorserve.sampling_params import SamplingParams
+from tutorserve.sampling_params import SamplingParams, StructuredOutputs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,15 +66,25 @@ class _Pending:
 
 class RequestStream:
     """Outputs of one request, in order; `close()` (or leaving `async with`) before the final
-    output aborts the request and frees its KV blocks."""
+    output aborts the request and frees its KV blocks.
 
-    def __init__(self, engine: AsyncEngine, request_id: str, user: str | None) -> None:
+    A request for `n` choices runs as n engine requests: choice 0 under the request's id, choice
+    i under `id#i`, each output tagged with its `index`; the stream ends when all have."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, user: str | None, n: int) -> None:
         self.request_id = request_id
+        self.choice_ids = [request_id, *(f"{request_id}#{i}" for i in range(1, n))]
         self._engine = engine
         self._user = user
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._closed = False
-        self.finished = False
+        self._open = set(self.choice_ids)
+        # Choices 1..n-1, submitted once choice 0 has computed the prompt (see AsyncEngine._fork).
+        self._forks: list[_Pending] = []
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -85,7 +95,8 @@ class RequestStream:
         item = await self._queue.get()
         if isinstance(item, BaseException):
             raise item
-        self.finished = item.finished
+        if item.finished:
+            self._open.discard(item.request_id)
         return item
 
     async def __aenter__(self) -> RequestStream:
@@ -174,6 +185,16 @@ class AsyncEngine:
         """ValueError for a prompt the engine cannot take (empty, too long, bad token ids)."""
         self.engine.check_prompt(ids)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run over [0, vocab_size) (the model's, which may exceed the tokenizer's)."""
+        return self.engine.model.config.vocab_size
+
+    def check_structured(self, spec: StructuredOutputs) -> None:
+        """ValueError naming the problem if `spec` does not compile. Compiling caches it, so
+        the engine thread finds it ready; call it off the event loop (it may take ms)."""
+        self.engine.grammars.matcher(spec)
+
     def lora_adapters(self) -> dict[str, str]:
         """Registered LoRA adapters: name → folder."""
         return {name: str(self.engine.lora.paths[name]) for name in self.engine.lora_names()}
@@ -207,8 +228,10 @@ class AsyncEngine:
         session_id: str | None = None,
         lora: str | None = None,
         spec_scope: str | None = None,
+        n: int = 1,
     ) -> RequestStream:
-        """Queue a validated request, or raise AdmissionError if the server is full."""
+        """Queue a validated request for `n` choices, or raise AdmissionError if the server is
+        full. With a seed, choice i samples with seed + i (vLLM's rule), so choices differ."""
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
         retry = max(1, round(self._recent_latency))
@@ -226,31 +249,46 @@ class AsyncEngine:
                 raise AdmissionError(
                     f"the server is at capacity ({self.num_waiting} requests waiting)", retry
                 )
-            stream = RequestStream(self, request_id, user)
-            self._streams[request_id] = stream
+            stream = RequestStream(self, request_id, user, n)
+            pending = [
+                _Pending(cid, prompt_ids, _choice_params(params, i), priority, session_id,
+                         lora, spec_scope)
+                for i, cid in enumerate(stream.choice_ids)
+            ]  # fmt: skip
+            for cid in stream.choice_ids:
+                self._streams[cid] = stream
             if user is not None:
                 self._users[user] += 1
-            self._adds.append(
-                _Pending(request_id, prompt_ids, params, priority, session_id, lora, spec_scope)
-            )
+            self._adds.append(pending[0])
+            stream._forks = pending[1:]
             self._cond.notify()
         return stream
 
+    def _fork(self, stream: RequestStream) -> None:
+        """Submit a request's other choices. They wait for choice 0's first output: its prompt
+        blocks are in the prefix cache by then, so every choice shares them and computes only
+        the prompt's last partial block (a request that was accepted is not refused now)."""
+        with self._cond:
+            self._adds.extend(stream._forks)
+            self._cond.notify()
+        stream._forks = []
+
     def _release(self, stream: RequestStream) -> None:
-        self._streams.pop(stream.request_id, None)
+        for cid in stream.choice_ids:
+            self._streams.pop(cid, None)
         if stream._user is not None:
             self._users[stream._user] -= 1
             if self._users[stream._user] <= 0:
                 del self._users[stream._user]
-        if stream.finished:
+        stream._forks = []
+        live = stream._open
+        if not live:
             return
         with self._cond:
-            queued = next((p for p in self._adds if p.request_id == stream.request_id), None)
-            if queued is not None:
-                self._adds.remove(queued)
-            else:
-                self._aborts.append(stream.request_id)
-                self._cond.notify()
+            queued = {p.request_id for p in self._adds if p.request_id in live}
+            self._adds[:] = [p for p in self._adds if p.request_id not in queued]
+            self._aborts.extend(live - queued)
+            self._cond.notify()
 
     # ---- the engine thread ----------------------------------------------------------------
     def _own(self, make_engine: Callable[[], LLMEngine], built: queue.SimpleQueue) -> None:
@@ -357,8 +395,17 @@ class AsyncEngine:
                     self._recent_latency = 0.9 * self._recent_latency + 0.1 * e2e
             stream = self._streams.get(out.request_id)
             if stream is not None:
+                out.index = stream.choice_ids.index(out.request_id)
                 stream._queue.put_nowait(out)
+                if stream._forks:
+                    self._fork(stream)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in list(self._streams.values()):
+        for stream in set(self._streams.values()):
             stream._queue.put_nowait(error)
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=params.seed + index)

@@ -14,7 +14,7 @@ from tutorserve.engine.device import resolve_device, resolve_dtype, resolve_kv_d
 from tutorserve.engine.kv_cache_manager import KVCacheManager
 from tutorserve.engine.kv_tiers import TieredKVStore, model_fingerprint
 from tutorserve.engine.model_runner import ModelRunner
-from tutorserve.engine.outputs import RequestMetrics, RequestOutput
+from tutorserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from tutorserve.engine.scheduler import Scheduler
 from tutorserve.engine.sequence import Sequence, SequenceStatus
 from tutorserve.engine.stats import EngineStats, SpecCounters
@@ -22,6 +22,7 @@ from tutorserve.lora.manager import LoRAManager
 from tutorserve.models.loader import load_model
 from tutorserve.sampling_params import SamplingParams
 from tutorserve.spec import proposer_named, scope_key
+from tutorserve.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,19 @@ class LLMEngine:
             )
         self.max_model_len = self._max_model_len(num_blocks * bs)
         self.runner = ModelRunner(
-            config, self.model, num_blocks, self.device, self.dtype, self.kv_dtype
+            config,
+            self.model,
+            num_blocks,
+            self.device,
+            self.dtype,
+            self.kv_dtype,
+            self.tokenizer.eos_token_ids,
         )
         self.store = self._kv_store()
         self.kv = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, self.store)
         self.lora = self._lora_manager()
         self.scheduler = Scheduler(config, self.kv, self.lora)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
         self.proposer = proposer_named(config.speculative) if config.speculative else None
         self.spec = SpecCounters()
         self.seqs: dict[str, Sequence] = {}
@@ -193,11 +201,14 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(ids)
+        params.check_vocab(self.model.config.vocab_size)
         salt = self.check_lora(lora)
         seq = Sequence(
             request_id, ids, params, prompt=text, priority=priority, session_id=session_id
         )
         seq.lora, seq.cache_salt = lora, salt
+        if params.structured is not None:
+            seq.matcher = self.grammars.matcher(params.structured)
         seq.spec_scope = scope_key(ids, spec_scope, salt)
         if lora is not None:
             self.lora.prefetch(lora)  # type: ignore[union-attr]
@@ -259,13 +270,21 @@ class LLMEngine:
                 self.store.wait_for_reads(timeout=0.01)
             return []
         used_blocks, running = self.kv.num_used_blocks, len(self.scheduler.running)
-        samplers, tokens = self.runner.run(batch)
+        result = self.runner.run(batch)
         now = time.monotonic()
+        for seq, entries in result.prompt_logprobs:
+            # A request preempted and recomputed computes its prompt again: keep the first.
+            seq.prompt_logprobs += entries[
+                max(0, len(seq.prompt_logprobs) - seq.num_computed_tokens) :
+            ]
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             # A row's drafts count as computed once verified, below.
             seq.num_computed_tokens += n - len(seq.spec_token_ids)
             self.kv.cache_computed_blocks(seq)
-        outputs = [self._emit(seq, toks, now) for seq, toks in zip(samplers, tokens, strict=True)]
+        outputs = [
+            self._emit(seq, toks, lp, now)
+            for seq, toks, lp in zip(result.seqs, result.tokens, result.logprobs, strict=True)
+        ]
         outputs += failed
         if self.proposer is not None:
             self._propose()
@@ -283,12 +302,16 @@ class LLMEngine:
             )
         return outputs
 
-    def _emit(self, seq: Sequence, tokens: list[int], now: float) -> RequestOutput:
+    def _emit(
+        self, seq: Sequence, tokens: list[int], logprob: TokenLogprob | None, now: float
+    ) -> RequestOutput:
         """Append a step's tokens to `seq` (one, or verified drafts and one more) and give the
         request's output; a row that verified drafts keeps their KV, and gives back the blocks
         it took for the rejected ones."""
         drafts = len(seq.spec_token_ids)
         seq.spec_token_ids = []
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         out = self._append(seq, tokens, now)
         if self.proposer is not None:
             self.proposer.observe(seq.request_id, seq.spec_scope, seq.token_ids,
@@ -309,8 +332,8 @@ class LLMEngine:
         if len(running) > cfg.speculative_disable_by_batch_size:
             return
         for seq in running:
-            if seq.num_tokens - seq.num_computed_tokens != 1:
-                continue  # still prefilling
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.params.draftable:
+                continue  # still prefilling, or its logits are processed row by row
             # Drafts and the token after them must fit max_tokens and the context.
             room = min(
                 cfg.num_speculative_tokens,
@@ -330,6 +353,8 @@ class LLMEngine:
         reason = None
         for token in tokens:
             seq.token_ids.append(token)
+            if seq.matcher is not None:
+                seq.matcher.accept(token)
             if token in p.stop_token_ids or (
                 not p.ignore_eos and token in self.tokenizer.eos_token_ids
             ):
@@ -340,6 +365,8 @@ class LLMEngine:
                 if cut != -1:
                     stream.detok.text = stream.detok.text[:cut]
                     reason = "stop"
+            if reason is None and seq.matcher is not None and seq.matcher.done:
+                reason = "stop"  # the grammar allows nothing more: no step just for the EOS
             if reason is None and (
                 seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
             ):
@@ -391,4 +418,6 @@ class LLMEngine:
                 num_preemptions=seq.num_preemptions,
             ),
             delta_text=delta,
+            logprobs=None if seq.params.logprobs is None else list(seq.logprobs),
+            prompt_logprobs=None if seq.params.prompt_logprobs is None else seq.prompt_logprobs,
         )

@@ -56,8 +56,9 @@ class KVCacheManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding this request's leading tokens (at least one token left to compute,
-        since sampling needs the last position's logits)."""
-        if not self.enable_prefix_caching:
+        since sampling needs the last position's logits). Nothing for a request that asked for
+        its prompt's log-probabilities: those need every position computed."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         self._extend_hashes(seq)
         hits = []
@@ -70,7 +71,7 @@ class KVCacheManager:
 
     def match_tiers(self, seq: Sequence, num_pool_hits: int) -> TierMatch:
         """Blocks in the KV tiers continuing the `num_pool_hits` blocks found in the pool."""
-        if self.store is None:
+        if self.store is None or seq.params.prompt_logprobs is not None:
             return TierMatch()
         limit = (seq.num_tokens - 1) // self.block_size
         return self.store.match(seq.request_id, seq.block_hashes[num_pool_hits:limit])

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tutorserve.config import EngineConfig
+from tutorserve.engine.logits_process import logprobs_of, process_logits, token_logprobs
+from tutorserve.engine.outputs import TokenLogprob
 from tutorserve.engine.sampler import sample, verify
 from tutorserve.engine.scheduler import SchedulerOutput
 from tutorserve.engine.sequence import Sequence
@@ -18,6 +21,20 @@ from tutorserve.layers.lora import LoRABatch
 from tutorserve.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
+_PROMPT_LOGITS_ROWS = 256
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step computed: the requests that sampled (`seqs`), their new tokens (one, or for
+    a row that verified drafts, the drafts the model agreed with and one more of its own), the
+    log-probabilities of each one's new token if its request asked (rows with drafts never
+    ask), and those of the prompt tokens this step computed, for requests that asked."""
+
+    seqs: list[Sequence]
+    tokens: list[list[int]]
+    logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]]
 
 
 class ModelRunner:
@@ -29,8 +46,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         kv_dtype: torch.dtype,
+        eos_token_ids: list[int],
     ) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids  # banned before a request's min_tokens
         self.block_size = config.block_size
         self.device = device
         cfg = model.config
@@ -57,11 +76,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput) -> tuple[list[Sequence], list[list[int]]]:
+    def run(self, batch: SchedulerOutput) -> StepResult:
         """Compute every scheduled token; sample for requests whose known tokens are now all
-        computed. Returns those requests and their new tokens: one, or for a row that verified
-        drafts, the drafts the model agreed with and one more of its own."""
-        input_ids, positions, ctx, logit_rows, samplers = self._prepare(batch)
+        computed."""
+        input_ids, positions, ctx, logit_rows, samplers, prompt_rows = self._prepare(batch)
         start = time.perf_counter()
         set_context(ctx)
         try:
@@ -70,31 +88,58 @@ class ModelRunner:
             reset_context()
         logits = self.model.compute_logits(hidden[logit_rows]) if samplers else None
         self.last_forward_s = time.perf_counter() - start
+        result = StepResult(samplers, [], [], self._prompt_logprobs(hidden, prompt_rows))
         if logits is None:
-            return [], []
-        if not any(s.spec_token_ids for s in samplers):  # one logit row each, as usual
-            return samplers, [[t] for t in sample(logits, samplers, self.generator)]
+            return result
+        drafted = any(s.spec_token_ids for s in samplers)
         plain = [i for i, s in enumerate(samplers) if not s.spec_token_ids]
-        rows = np.cumsum([0] + [1 + len(s.spec_token_ids) for s in samplers])
-        out: list[list[int]] = [[] for _ in samplers]
-        if plain:
-            picked = sample(logits[rows[plain]], [samplers[i] for i in plain], self.generator)
-            for i, tok in zip(plain, picked, strict=True):
-                out[i] = [tok]
-        for i, seq in enumerate(samplers):
-            if seq.spec_token_ids:
-                out[i] = verify(logits[rows[i] : rows[i + 1]], seq, self.generator)
-        return samplers, out
+        result.tokens = [[] for _ in samplers]
+        result.logprobs = [None] * len(samplers)
+        if drafted:
+            rows = np.cumsum([0] + [1 + len(s.spec_token_ids) for s in samplers])
+        if plain:  # one logit row each
+            seqs = [samplers[i] for i in plain]
+            plain_logits = process_logits(
+                logits[rows[plain]] if drafted else logits, seqs, self.eos_token_ids
+            )
+            picked = sample(plain_logits, seqs, self.generator)
+            for i, tok, lp in zip(
+                plain, picked, token_logprobs(plain_logits, seqs, picked), strict=True
+            ):
+                result.tokens[i], result.logprobs[i] = [tok], lp
+        if drafted:
+            for i, seq in enumerate(samplers):
+                if seq.spec_token_ids:
+                    result.tokens[i] = verify(logits[rows[i] : rows[i + 1]], seq, self.generator)
+        return result
 
-    def _prepare(
-        self, batch: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor, list[Sequence]]:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, prompt_rows: list[tuple[Sequence, list[int], list[int]]]
+    ) -> list[tuple[Sequence, list[TokenLogprob]]]:
+        """Each (request, hidden rows, next prompt tokens): the log-probabilities of those
+        tokens, from the model's own logits (no penalties: they shape what is generated). A few
+        hundred rows at a time: a long prompt's full logits would not fit in memory."""
+        out = []
+        for seq, rows, targets in prompt_rows:
+            entries: list[TokenLogprob] = []
+            for j in range(0, len(rows), _PROMPT_LOGITS_ROWS):
+                logits = self.model.compute_logits(hidden[rows[j : j + _PROMPT_LOGITS_ROWS]])
+                entries += logprobs_of(logits, targets[j : j + _PROMPT_LOGITS_ROWS],
+                                       seq.params.prompt_logprobs)  # fmt: skip
+            out.append((seq, entries))
+        return out
+
+    def _prepare(self, batch: SchedulerOutput) -> tuple[
+        torch.Tensor, torch.Tensor, StepContext, torch.Tensor, list[Sequence],
+        list[tuple[Sequence, list[int], list[int]]],
+    ]:  # fmt: skip
         bs, dev = self.block_size, self.device
         ids: list[int] = []
         pos_parts, slot_parts = [], []
         attn = AttentionBatch(bs, dev, self.dtype, [], [], [], [], self.share_prefixes)
         logit_rows: list[int] = []
         samplers: list[Sequence] = []
+        prompt_rows = []  # (request, rows, next prompt tokens) for prompt log-probabilities
         offset = 0
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -110,6 +155,10 @@ class ModelRunner:
                 attn.decode_lens.append(end)
             else:  # a prefill chunk, or a row with drafts: causal over its own new tokens
                 attn.prefills.append(PrefillSpan(offset, offset + n, start, table))
+            last = min(end, seq.num_prompt_tokens - 1)  # the prompt's last predicts an output
+            if seq.params.prompt_logprobs is not None and start < last:
+                rows = list(range(offset, offset + last - start))
+                prompt_rows.append((seq, rows, seq.token_ids[start + 1 : last + 1]))
             if end >= seq.num_tokens:  # logits at the last known token and at every draft
                 first = offset + seq.num_tokens - 1 - start
                 logit_rows.extend(range(first, offset + n))
@@ -129,6 +178,7 @@ class ModelRunner:
             ctx,
             torch.as_tensor(logit_rows, device=dev),
             samplers,
+            prompt_rows,
         )
 
     def _lora_batch(self, batch: SchedulerOutput) -> LoRABatch | None:

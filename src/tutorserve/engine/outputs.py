@@ -45,3 +45,16 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     metrics: RequestMetrics
     delta_text: str = ""  # text added by the step that produced this output (for streaming)
+    logprobs: list[TokenLogprob] | None = None  # per output token, if the request asked
+    # Per prompt token after the first (complete once the prompt is computed), if asked.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # which of a request's n choices (set by the async front)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the `logprobs` most likely tokens' (best first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tutorserve.engine.outputs import TokenLogprob
 from tutorserve.sampling_params import SamplingParams
+from tutorserve.structured import Matcher
 
 _arrival_counter = itertools.count()
 
@@ -57,6 +59,10 @@ class Sequence:
     # Drafted next tokens (speculative decoding), verified in its next step; not yet tokens.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_scope: bytes = b""  # requests of one scope draft from each other's outputs
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # if params.logprobs is set
+    # Prompt tokens 1.. (token 0 has nothing before it), if params.prompt_logprobs is set.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    matcher: Matcher | None = None  # where its output is in its grammar (structured outputs)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -10,6 +10,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as FastTokenizer
+from tokenizers import decoders
 
 
 class Tokenizer:
@@ -34,6 +35,11 @@ class Tokenizer:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @property
+    def backend(self) -> FastTokenizer:
+        """The `tokenizers` tokenizer itself (grammar engines read its vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
@@ -46,8 +52,19 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (a piece of a multi-byte character is not valid UTF-8 alone,
+        so decoding it by itself would give U+FFFD)."""
+        piece = self._tok.id_to_token(token_id) or ""
+        if isinstance(self._tok.decoder, decoders.ByteLevel) and all(c in _BYTE_OF for c in piece):
+            return bytes(_BYTE_OF[c] for c in piece)
+        return piece.encode()
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
@@ -60,15 +77,28 @@ class Tokenizer:
         tok = self._tok
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else "",
             eos_token=tok.id_to_token(self.eos_token_id) if self.eos_token_id is not None else "",
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the conversation, ready for the assistant's turn. The template already
-        holds BOS where the model wants one."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of the conversation, by default ready for the assistant's turn. The template
+        already holds BOS where the model wants one."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.encode(text, add_special_tokens)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """The vocabulary's entries for these ids, as the tokenizer stores them (byte-level BPE
+        pieces, not decoded text)."""
+        return [self._tok.id_to_token(i) for i in ids]
 
     @classmethod
     def from_hf_dir(cls, path: Path, eos_token_ids: list[int] | None = None) -> Tokenizer:
@@ -94,6 +124,18 @@ class Tokenizer:
             chat_template=template,
             add_bos_token=bool(cfg.get("add_bos_token", False)),
         )
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE writes byte b as one printable character: itself if printable,
+    else chr(256 + k) for the k-th unprintable byte. Returns that character → b."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    extra = (b for b in range(256) if b not in printable)
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(extra)}
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 def _raise(message: str) -> None:

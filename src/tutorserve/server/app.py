@@ -18,15 +18,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tutorserve.engine.async_engine import AdmissionError, AsyncEngine, EngineDeadError
 from tutorserve.server.metrics import CONTENT_TYPE, EngineMetrics
+from tutorserve.server.openapi import error_responses, sse_event, text_response, truthful_openapi
 from tutorserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     UnloadLoRAAdapterRequest,
     error_body,
 )
@@ -39,9 +44,9 @@ _STATIC = files("tutorserve.server").joinpath("static")
 _TUTOR_PAGE = _STATIC.joinpath("tutor.html").read_text("utf-8")
 _CHAT_PAGE = _STATIC.joinpath("chat.html").read_text("utf-8")
 _CLIENT_JS = _STATIC.joinpath("client.js").read_text("utf-8")
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
-}
+_SSE = "text/event-stream"
+# OpenAI's stream: unnamed events, ending with `data: [DONE]`.
+_CHUNK_EVENT = sse_event("a chunk object as JSON, an error body as JSON, or `[DONE]` last")
 
 
 @dataclass(slots=True)
@@ -131,16 +136,19 @@ class ApiKeyAuth:
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
-    # ("body", "messages", 0, "role") -> "messages.0.role"; drop pydantic's union-member tags.
-    parts = [
-        str(p)
-        for p in loc[1:]
-        if not (
-            isinstance(p, str)
-            and ("[" in p or p in {"str", "int", "float", "bool", "list", "function-after"})
-        )
-    ]
-    return ".".join(parts) or None
+    # ("body", "messages", 0, "role") -> "messages.0.role", without pydantic's union-member tags.
+    return ".".join(str(p) for p in loc[1:] if not _union_tag(p)) or None
+
+
+def _union_tag(part: Any) -> bool:
+    # A member's type ("str", "list[int]", "constrained-str", "function-after"), or a model's
+    # class name: capitalized, unlike every field name of the API.
+    return isinstance(part, str) and (
+        "[" in part
+        or part[:1].isupper()
+        or part.startswith(("constrained-", "function-"))
+        or part in {"str", "int", "float", "bool", "list"}
+    )
 
 
 def build_app(
@@ -167,6 +175,7 @@ def build_app(
         redoc_url=None,
         description="OpenAI-compatible LLM server for tutoring.",
     )
+    truthful_openapi(app)
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -180,7 +189,13 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0]
+        # Of a union's members, the one that got furthest is the one meant: the deepest error,
+        # and one about a value over one about its type (a list of token ids with a bad id, or
+        # too many stop strings, not "should be a string").
+        err = max(
+            exc.errors(),
+            key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type")),
+        )
         if err.get("type") == "json_invalid":
             return _error(
                 400,
@@ -214,17 +229,37 @@ def build_app(
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), headers=exc.headers)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    generation_errors = error_responses(400, 401, 404, 413, 429, 503)
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={
+            **text_response(
+                _SSE, "The reply; with `stream: true`, Server-Sent Events.", _CHUNK_EVENT
+            ),
+            **generation_errors,
+        },
+    )
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         """A chat reply; with `stream: true`, Server-Sent Events of `chat.completion.chunk`."""
         return await serving.create(req, request)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={
+            **text_response(
+                _SSE, "The completion; with `stream: true`, Server-Sent Events.", _CHUNK_EVENT
+            ),
+            **generation_errors,
+        },
+    )
     async def completions(req: CompletionRequest, request: Request) -> Any:
         """A plain-text completion; with `stream: true`, Server-Sent Events."""
         return await serving.create(req, request)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=error_responses(401))
     async def models() -> ModelList:
         base, n = settings.model_name, serving.max_model_len
         adapters = [
@@ -233,7 +268,14 @@ def build_app(
         ]
         return ModelList(data=[ModelCard(id=base, max_model_len=n), *adapters])
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    @app.post(
+        "/v1/load_lora_adapter",
+        response_class=Response,
+        responses={
+            **text_response("text/plain", "The adapter is loaded."),
+            **error_responses(400, 401, 413, 503),
+        },
+    )
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """Register a PEFT adapter folder; requests then use it with `model` = `lora_name`."""
         if req.lora_name == settings.model_name:
@@ -244,7 +286,14 @@ def build_app(
             raise APIError(400, str(e), param="lora_path") from e
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ERRORS)
+    @app.post(
+        "/v1/unload_lora_adapter",
+        response_class=Response,
+        responses={
+            **text_response("text/plain", "The adapter is unloaded."),
+            **error_responses(400, 401, 404, 409, 413, 503),
+        },
+    )
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         try:
             await server.unload_lora(req.lora_name)
@@ -257,13 +306,31 @@ def build_app(
             raise APIError(409, str(e), param="lora_name") from e
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    # vLLM's routes, outside /v1 as there (so they need no API key either).
+    @app.post(
+        "/tokenize", response_model=TokenizeResponse, responses=error_responses(400, 404, 413)
+    )
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        """A prompt's or a conversation's token ids; `count` may exceed `max_model_len`."""
+        return await serving.tokenize(req)
+
+    @app.post(
+        "/detokenize", response_model=DetokenizeResponse, responses=error_responses(400, 404, 413)
+    )
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        return await serving.detokenize(req)
+
+    @app.get("/health", response_model=HealthResponse, responses=error_responses(503))
+    async def health() -> Any:
         if not server.healthy:
             return _error(503, "the engine loop is not running", "server_error")
-        return JSONResponse({"status": "ok"})
+        return HealthResponse()
 
-    @app.get("/metrics", response_class=Response)
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses=text_response("text/plain", "Prometheus metrics, text format."),
+    )
     async def metrics() -> Response:
         return Response(exporter.render(), media_type=CONTENT_TYPE)
 

@@ -13,12 +13,29 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
+from tutorserve.server.openapi import error_responses, sse_event, text_response
 from tutorserve.server.serving import APIError
 from tutorserve.tutor.service import SessionBusyError, TutorService, UnknownCourseError
 
-_ERRORS: dict[int | str, dict[str, Any]] = {code: {} for code in (400, 404, 409)}
+# Where a new session's id and learner lead (OpenAPI links, which clients and schemathesis's
+# stateful tests follow).
+_SESSION_LINKS = {
+    "GetSession": {
+        "operationId": "get_session",
+        "parameters": {"session_id": "$response.body#/id"},
+    },
+    "TakeTurn": {"operationId": "take_turn", "parameters": {"session_id": "$response.body#/id"}},
+    "GetLearner": {
+        "operationId": "get_learner",
+        "parameters": {"learner_id": "$response.body#/learner_id"},
+    },
+}
+
+_TURN_EVENT = sse_event(
+    "the event's fields as JSON", ("delta", "reset", "final", "engage", "error")
+)
 
 
 class _Body(BaseModel):
@@ -41,7 +58,7 @@ def _not_found(e: KeyError, param: str) -> APIError:
 def tutor_router(service: TutorService) -> APIRouter:
     router = APIRouter(prefix="/v1/tutor", tags=["tutor"])
 
-    @router.get("/courses")
+    @router.get("/courses", operation_id="list_courses", responses=error_responses(401))
     async def courses() -> dict[str, Any]:
         return {
             "data": [
@@ -57,7 +74,14 @@ def tutor_router(service: TutorService) -> APIRouter:
             ]
         }
 
-    @router.post("/sessions", responses=_ERRORS)
+    @router.post(
+        "/sessions",
+        operation_id="start_session",
+        responses={
+            200: {"description": "The new session.", "links": _SESSION_LINKS},
+            **error_responses(400, 401, 413),
+        },
+    )
     async def start_session(req: SessionRequest) -> dict[str, Any]:
         """Start tutoring `learner_id` (created on first use) on `course`."""
         try:
@@ -65,14 +89,24 @@ def tutor_router(service: TutorService) -> APIRouter:
         except UnknownCourseError as e:
             raise APIError(400, str(e), param="course", code="course_not_found") from e
 
-    @router.get("/sessions/{session_id}", responses=_ERRORS)
+    @router.get(
+        "/sessions/{session_id}", operation_id="get_session", responses=error_responses(401, 404)
+    )
     async def get_session(session_id: str) -> dict[str, Any]:
         try:
             return await service.session(session_id)
         except KeyError as e:
             raise _not_found(e, "session_id") from e
 
-    @router.post("/sessions/{session_id}/turns", responses=_ERRORS)
+    @router.post(
+        "/sessions/{session_id}/turns",
+        operation_id="take_turn",
+        response_class=Response,
+        responses={
+            **text_response("text/event-stream", "The turn, as Server-Sent Events.", _TURN_EVENT),
+            **error_responses(400, 401, 404, 409, 413),
+        },
+    )
     async def turn(session_id: str, req: TurnRequest) -> StreamingResponse:
         """The tutor's reply as Server-Sent Events, then a `final` event."""
         try:
@@ -87,7 +121,9 @@ def tutor_router(service: TutorService) -> APIRouter:
             headers={"Cache-Control": "no-cache"},
         )
 
-    @router.get("/learners/{learner_id}", responses=_ERRORS)
+    @router.get(
+        "/learners/{learner_id}", operation_id="get_learner", responses=error_responses(401, 404)
+    )
     async def learner(learner_id: str) -> dict[str, Any]:
         """Sessions, per-KC mastery and error counts, and a CEFR estimate for language courses."""
         try:

@@ -13,20 +13,22 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from tutorserve.engine.async_engine import AsyncEngine
-from tutorserve.sampling_params import SamplingParams
+from tutorserve.sampling_params import SamplingParams, StructuredOutputs
 
 Messages = list[dict[str, str]]
 
 
 class ChatLLM(Protocol):
     """`scope` names the calls whose replies tend to repeat (one problem's hints at one rung):
-    our engine's speculative decoding drafts each from the others; other servers ignore it."""
+    our engine's speculative decoding drafts each from the others. `regex` is the form the reply
+    must take: our engine enforces it by constrained decoding. Other servers ignore both (the
+    caller still checks the form: the OpenAI API has no regex constraint)."""
 
     name: str
 
     def stream(
         self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None,
-        scope: str | None = None,
+        scope: str | None = None, regex: str | None = None,
     ) -> AsyncIterator[str]: ...  # fmt: skip
 
 
@@ -38,12 +40,13 @@ async def complete(
     temperature: float = 0.0,
     session_id: str | None = None,
     scope: str | None = None,
+    regex: str | None = None,
 ) -> str:
     parts = [
         d
         async for d in llm.stream(
             messages, max_tokens=max_tokens, temperature=temperature, session_id=session_id,
-            scope=scope,
+            scope=scope, regex=regex,
         )
     ]  # fmt: skip
     return "".join(parts)
@@ -67,10 +70,13 @@ class EngineLLM:
 
     async def stream(
         self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None,
-        scope: str | None = None,
+        scope: str | None = None, regex: str | None = None,
     ) -> AsyncIterator[str]:  # fmt: skip
         ids = await asyncio.to_thread(self._prompt, messages, max_tokens)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=0)
+        structured = None if regex is None else StructuredOutputs(regex=regex)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, seed=0, structured=structured
+        )
         rid = f"tutor-{uuid.uuid4().hex}"
         async with self.server.submit(
             rid, ids, params, session_id=session_id, lora=self.lora, spec_scope=scope
@@ -91,7 +97,7 @@ class OpenAILLM:
 
     async def stream(
         self, messages: Messages, *, max_tokens: int, temperature: float, session_id: str | None,
-        scope: str | None = None,
+        scope: str | None = None, regex: str | None = None,
     ) -> AsyncIterator[str]:  # fmt: skip
         headers = {"X-Session-Id": session_id} if session_id else None
         chunks = await self.client.chat.completions.create(

@@ -13,6 +13,9 @@ from tutorserve.tutor.llm_client import Messages
 
 HISTORY_TURNS = 4
 ERROR_LABELS = ("careless", "misconception", "misread", "guess", "right-idea", "stuck")
+# The diagnose reply's form, enforced where the model server can (our engine's constrained
+# decoding): a label, a colon, one line.
+DIAGNOSIS_FORMAT = "(" + "|".join(re.escape(label) for label in ERROR_LABELS) + r"): [^\n]{1,160}"
 
 # Written as the student's own request: small models answer a request in the first person
 # far more often than they follow third-person instructions (which they tend to repeat back).

@@ -48,6 +48,7 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
             max_tokens=40,
             session_id=turn.session_id,
             scope=f"diagnose/{turn.course.id}/{turn.problem.id}",
+            regex=prompts.DIAGNOSIS_FORMAT,
         )
         # Only a reply in the asked form is used: free text from a confused model would
         # otherwise flow into the explanation prompt.
