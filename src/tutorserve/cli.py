@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tutorserve.cluster.routing import POLICIES as ROUTING_POLICIES
 from tutorserve.config import add_engine_args, engine_options
 from tutorserve.engine.policy import POLICIES
 from tutorserve.models.classes import MODEL_CLASSES
@@ -143,11 +144,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     api_key = a.api_key or os.environ.get("TUTORSERVE_API_KEY") or None
     make_tutor = _tutor_service(a)
     config = EngineConfig.from_kwargs(**engine_options(a))
-    server = AsyncEngine(
-        lambda: LLMEngine(config),
-        max_waiting=a.max_waiting,
-        max_requests_per_user=a.max_requests_per_user,
-    )
+    if a.replicas:
+        server = _cluster_front(a, config)
+    else:
+        server = AsyncEngine(
+            lambda: LLMEngine(config),
+            max_waiting=a.max_waiting,
+            max_requests_per_user=a.max_requests_per_user,
+        )
     settings = ServerSettings(
         model_name=a.served_model_name or a.model,
         api_key=api_key,
@@ -166,6 +170,32 @@ def cmd_serve(a: argparse.Namespace) -> int:
     )
     uvicorn.run(app, host=a.host, port=a.port, log_level="info" if a.verbose else "warning")
     return 0
+
+
+def _cluster_front(a: argparse.Namespace, config: Any) -> Any:
+    """`--replicas N`: the engines on Ray Serve, and their front for the server. Each replica
+    gets its share of this host's threads unless told; the disk tier stays off (replicas do not
+    share one yet)."""
+    from tutorserve.cluster.front import ClusterFront
+    from tutorserve.cluster.launch import start_replicas
+    from tutorserve.models.loader import load_tokenizer
+
+    if a.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {a.replicas}")
+    options = engine_options(a) | {"kv_disk_bytes": 0}
+    if not options.get("num_threads"):
+        options["num_threads"] = max(1, (os.cpu_count() or 1) // a.replicas)
+    handle, shutdown = start_replicas(options, replicas=a.replicas, routing=a.routing,
+                                      ray_address=a.ray_address,
+                                      cpus_per_replica=a.cpus_per_replica)  # fmt: skip
+    try:
+        return ClusterFront(handle, load_tokenizer(config.model), block_size=config.block_size,
+                            num_replicas=a.replicas, max_waiting=a.max_waiting,
+                            max_requests_per_user=a.max_requests_per_user,
+                            shutdown=shutdown)  # fmt: skip
+    except BaseException:
+        shutdown()  # no Ray processes outlive a failed start
+        raise
 
 
 def _tutor_service(a: argparse.Namespace) -> Callable[[Any, str], Any] | None:
@@ -303,6 +333,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--allowed-origins", nargs="*", default=[], help="CORS origins (none unless given)"
     )
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
+    g = p.add_argument_group("cluster (engine replicas on Ray Serve)")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="engines on Ray Serve behind our router (0: one engine in this process)",
+    )
+    g.add_argument(
+        "--routing",
+        default="cache-aware",
+        choices=list(ROUTING_POLICIES),
+        help="which replica serves a request",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (or RAY_ADDRESS); default: a local one",
+    )
+    g.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=None,
+        help="Ray CPUs each replica reserves (default: this host's cores / replicas)",
+    )
     add_engine_args(p, choices=ENGINE_CHOICES)
     add_tutor_args(p)
     p.set_defaults(func=cmd_serve)

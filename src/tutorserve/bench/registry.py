@@ -20,6 +20,7 @@ from tutorserve.bench.systems import (
     vllm_server,
 )
 from tutorserve.bench.workloads import Request
+from tutorserve.cluster.routing import POLICIES as ROUTING_POLICIES
 
 
 @dataclass(slots=True)
@@ -82,6 +83,9 @@ PEERS = {
         Peer("tutorserve-nocache", None, partial(_ours, "tutorserve (no prefix cache)",
                                                  "tutorserve-nocache",
                                                  enable_prefix_caching=False)),
+        *(Peer(f"tutorserve-x2-{r}", partial(tutorserve_server, tiers=False, replicas=2,
+                                              routing=r))
+          for r in ROUTING_POLICIES),
         Peer("vllm", vllm_server, partial(_vllm, all_cores=False), hf_export=True),
         Peer("vllm-allcores", partial(vllm_server, all_cores=True),
              partial(_vllm, all_cores=True), hf_export=True),

@@ -77,6 +77,8 @@ def tutorserve_server(
     tiers: bool = True,
     quantization: str = "none",
     speculative: str | None = None,
+    replicas: int = 0,
+    routing: str = "cache-aware",
 ) -> System:
     # A fresh disk tier per run: one left by an earlier run would flatter this one.
     extra = ["--kv-disk-dir", tempfile.mkdtemp(prefix="bench-kv-")]
@@ -84,6 +86,8 @@ def tutorserve_server(
         extra = ["--kv-ram-gb", "0", "--kv-disk-gb", "0"]
     if speculative is not None:
         extra += ["--speculative", speculative]
+    if replicas:  # engines on Ray Serve, one thread each by default
+        extra += ["--replicas", str(replicas), "--routing", routing]
     argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--model", s.files.gguf,
             "--served-model-name", s.files.name, "--dtype", s.dtype, "--max-num-seqs",
             str(s.max_num_seqs), "--kv-cache-gb", f"{s.kv_cache_gb:g}", *extra, "--max-waiting",

@@ -49,6 +49,34 @@ class AdmissionError(Exception):
         self.retry_after = retry_after
 
 
+class UserCaps:
+    """Requests in flight per `user`, against an optional cap: past it, AdmissionError."""
+
+    def __init__(self, cap: int | None) -> None:
+        if cap is not None and cap < 1:
+            raise ValueError("max_requests_per_user must be at least 1")
+        self.cap = cap
+        self._counts: Counter[str] = Counter()
+
+    def check(self, user: str | None, retry_after: int) -> None:
+        if user is not None and self.cap is not None and self._counts[user] >= self.cap:
+            raise AdmissionError(
+                f"user {user!r} already has {self._counts[user]} requests in flight "
+                f"(the limit is {self.cap})",
+                retry_after,
+            )
+
+    def add(self, user: str | None) -> None:
+        if user is not None:
+            self._counts[user] += 1
+
+    def release(self, user: str | None) -> None:
+        if user is not None:
+            self._counts[user] -= 1
+            if self._counts[user] <= 0:
+                del self._counts[user]
+
+
 class EngineDeadError(RuntimeError):
     """The step loop stopped on an internal error; requests in flight cannot finish."""
 
@@ -125,10 +153,8 @@ class AsyncEngine:
     ) -> None:
         if max_waiting < 1:
             raise ValueError("max_waiting must be at least 1")
-        if max_requests_per_user is not None and max_requests_per_user < 1:
-            raise ValueError("max_requests_per_user must be at least 1")
         self.max_waiting = max_waiting
-        self.max_requests_per_user = max_requests_per_user
+        self.users = UserCaps(max_requests_per_user)
         # Called on the event loop: each ended request, and each refusal by its reason
         # ("queue_full", "user_limit"). A metrics exporter sets them.
         self.on_finished: Callable[[RequestOutput], None] = lambda out: None
@@ -140,7 +166,6 @@ class AsyncEngine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._users: Counter[str] = Counter()
         self._recent_latency = 1.0  # seconds; an EMA behind Retry-After
         self.error: BaseException | None = None
         built: queue.SimpleQueue[LLMEngine | BaseException] = queue.SimpleQueue()
@@ -235,14 +260,11 @@ class AsyncEngine:
         if not self.healthy:
             raise EngineDeadError("the engine is not running")
         retry = max(1, round(self._recent_latency))
-        cap = self.max_requests_per_user
-        if user is not None and cap is not None and self._users[user] >= cap:
+        try:
+            self.users.check(user, retry)
+        except AdmissionError:
             self.on_rejected("user_limit")
-            raise AdmissionError(
-                f"user {user!r} already has {self._users[user]} requests in flight "
-                f"(the limit is {cap})",
-                retry,
-            )
+            raise
         with self._cond:
             if self.num_waiting >= self.max_waiting:
                 self.on_rejected("queue_full")
@@ -257,8 +279,7 @@ class AsyncEngine:
             ]  # fmt: skip
             for cid in stream.choice_ids:
                 self._streams[cid] = stream
-            if user is not None:
-                self._users[user] += 1
+            self.users.add(user)
             self._adds.append(pending[0])
             stream._forks = pending[1:]
             self._cond.notify()
@@ -276,10 +297,7 @@ class AsyncEngine:
     def _release(self, stream: RequestStream) -> None:
         for cid in stream.choice_ids:
             self._streams.pop(cid, None)
-        if stream._user is not None:
-            self._users[stream._user] -= 1
-            if self._users[stream._user] <= 0:
-                del self._users[stream._user]
+        self.users.release(stream._user)
         stream._forks = []
         live = stream._open
         if not live:

@@ -47,6 +47,22 @@ class _Stream:
     sent: int = 0
 
 
+def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """ValueError for a prompt an engine of this context and vocabulary cannot take."""
+    if not ids:
+        raise ValueError("prompt is empty")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens; the maximum context length is "
+            f"{max_model_len} and at least one token must be generated"
+        )
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(
+            f"prompt token ids must lie in [0, {vocab_size}): {bad} is outside the vocabulary"
+        )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -232,19 +248,7 @@ class LLMEngine:
         return self.lora.fingerprints[lora]
 
     def check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the maximum context length is "
-                f"{self.max_model_len} and at least one token must be generated"
-            )
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(
-                f"prompt token ids must lie in [0, {vocab}): {bad} is outside the vocabulary"
-            )
+        check_prompt(ids, self.max_model_len, self.model.config.vocab_size)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.get(request_id)

@@ -1,0 +1,3 @@
+"""tutorserve on a cluster: engine replicas on Ray Serve, behind our routing policy plugged in
+as Serve's request router, with the same engine front (`ClusterFront`) that the server and the
+tutor use for one local engine."""

@@ -1,0 +1,247 @@
+"""`ClusterFront`: the engine front (what `AsyncEngine` offers the server and the tutor) over
+engine replicas on Ray Serve, so the same HTTP app serves one engine or a cluster.
+
+Admission is decided here, before a request reaches Serve, with the single server's rules
+(a waiting cap for the cluster and a per-user cap → 429); each call carries the prompt's chained
+block hashes for the router. Prompts and structured-output grammars are checked here with the
+model's tokenizer, so a bad request never reaches a replica. A background task keeps a stats
+snapshot of the whole cluster (the replicas' counters summed) for the metrics exporter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import fields, replace
+from typing import Any
+
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from tutorserve.engine.async_engine import AdmissionError, EngineDeadError, UserCaps
+from tutorserve.engine.engine import check_prompt
+from tutorserve.engine.kv_cache_manager import hash_block
+from tutorserve.engine.outputs import RequestOutput
+from tutorserve.engine.stats import EngineStats, SpecCounters, TierSnapshot
+from tutorserve.models.tokenizer import Tokenizer
+from tutorserve.sampling_params import SamplingParams, StructuredOutputs
+from tutorserve.structured import GrammarCompiler
+
+log = logging.getLogger(__name__)
+_STATS_PERIOD_S = 2.0
+
+
+class ClusterStream:
+    """A request's outputs from its replica, in order (as `RequestStream`); `close()` before
+    the end cancels the call, and the replica aborts the request."""
+
+    def __init__(self, front: ClusterFront, request_id: str, user: str | None,
+                 call: DeploymentResponseGenerator, n: int) -> None:  # fmt: skip
+        self.request_id = request_id
+        self._front, self._user, self._call = front, user, call
+        self._open = n  # choices not yet finished
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return self._open == 0
+
+    def __aiter__(self) -> ClusterStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            out: RequestOutput = await self._call.__anext__()
+        except StopAsyncIteration:
+            raise EngineDeadError("the replica ended the request without a final output") from None
+        except RayActorError as e:  # the replica died: Serve restarts it, the request is lost
+            raise EngineDeadError(f"the replica serving this request stopped: {e}") from e
+        except Exception as e:  # Ray wraps what the replica raised; give the caller its cause
+            raise _cause(e) from e
+        if out.finished:
+            self._open -= 1
+            self._front.on_finished(out)
+        self._front._waiting.discard(self.request_id)
+        return out
+
+    async def __aenter__(self) -> ClusterStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._front._release(self)
+        if not self.finished:
+            self._call.cancel()
+
+
+class ClusterFront:
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        tokenizer: Tokenizer,
+        *,
+        block_size: int,
+        num_replicas: int,
+        max_waiting: int = 256,
+        max_requests_per_user: int | None = None,
+        shutdown: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.handle = handle
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.num_replicas = num_replicas
+        self.max_waiting = max_waiting
+        self.users = UserCaps(max_requests_per_user)
+        self.on_finished: Callable[[RequestOutput], None] = lambda out: None
+        self.on_rejected: Callable[[str], None] = lambda reason: None
+        info = handle.info.remote().result()  # every replica serves the same model
+        self.max_model_len: int = info["max_model_len"]
+        self.vocab_size: int = info["vocab_size"]
+        self._adapters: dict[str, str] = info["lora_adapters"]
+        self._grammars = GrammarCompiler(tokenizer, self.vocab_size)
+        self._shutdown = shutdown
+        self._waiting: set[str] = set()  # submitted, no output yet
+        self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, ())
+        self._refresh: asyncio.Task | None = None
+        self._replicas_up = num_replicas
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._refresh = asyncio.create_task(self._refresh_stats())
+
+    async def stop(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
+        await asyncio.to_thread(self._shutdown)
+
+    @property
+    def healthy(self) -> bool:
+        """Some replica answered the last stats round (Serve restarts the ones that die)."""
+        return self._replicas_up > 0
+
+    # ---- model info -------------------------------------------------------------------------
+    def check_prompt(self, ids: list[int]) -> None:
+        check_prompt(ids, self.max_model_len, self.vocab_size)
+
+    def check_structured(self, spec: StructuredOutputs) -> None:
+        self._grammars.matcher(spec)
+
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self._adapters)
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._every_replica("load_lora", name, path)
+        self._adapters[name] = path
+
+    async def unload_lora(self, name: str) -> None:
+        await self._every_replica("unload_lora", name)
+        self._adapters.pop(name, None)
+
+    async def _every_replica(self, method: str, *args: Any) -> None:
+        results = await self.handle.broadcast(method, *args).results_async(
+            timeout_s=120, return_exceptions=True
+        )
+        errors = [_cause(r) for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    def stats(self) -> EngineStats:
+        return replace(self._stats, num_waiting=self._stats.num_waiting + len(self._waiting))
+
+    async def _refresh_stats(self) -> None:
+        while True:
+            try:
+                got = await self.handle.broadcast("stats").results_async(
+                    timeout_s=10, return_exceptions=True
+                )
+                answers = [s for _, s in (r for r in got if isinstance(r, tuple))]
+                self._replicas_up = len(answers)
+                self._stats = combine(answers)
+            except Exception:  # a replica restarting: keep the last snapshot
+                log.debug("cluster stats not refreshed", exc_info=True)
+            await asyncio.sleep(_STATS_PERIOD_S)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        user: str | None = None,
+        session_id: str | None = None,
+        lora: str | None = None,
+        spec_scope: str | None = None,
+        n: int = 1,
+    ) -> ClusterStream:
+        """Queue a validated request on the replica the router picks, or raise
+        AdmissionError if the cluster is full."""
+        try:
+            self.users.check(user, 1)
+        except AdmissionError:
+            self.on_rejected("user_limit")
+            raise
+        if len(self._waiting) >= self.max_waiting * self.num_replicas:
+            self.on_rejected("queue_full")
+            raise AdmissionError(
+                f"the cluster is at capacity ({len(self._waiting)} requests waiting)", 1
+            )
+        call = self.handle.options(stream=True).generate.remote(
+            request_id, prompt_ids, params, priority=priority, session_id=session_id,
+            lora=lora, spec_scope=spec_scope, n=n, block_hashes=self.block_hashes(prompt_ids),
+        )  # fmt: skip
+        self.users.add(user)
+        self._waiting.add(request_id)
+        return ClusterStream(self, request_id, user, call, n)
+
+    def block_hashes(self, ids: list[int]) -> list[bytes]:
+        """The chained hashes of the prompt's full blocks, as the engine's prefix cache keys
+        them (base model; an adapter's salt is the router's `lora` fact instead)."""
+        out, parent, bs = [], b"", self.block_size
+        for i in range(len(ids) // bs):
+            parent = hash_block(parent, ids[i * bs : (i + 1) * bs])
+            out.append(parent)
+        return out
+
+    def _release(self, stream: ClusterStream) -> None:
+        self._waiting.discard(stream.request_id)
+        self.users.release(stream._user)
+
+
+def _cause(error: BaseException) -> BaseException:
+    """What a replica raised, out of Ray's wrapping."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) else error
+
+
+def combine(snapshots: list[EngineStats]) -> EngineStats:
+    """The cluster's snapshot: every counter summed over replicas, tiers summed by name."""
+    if not snapshots:
+        return EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, ())
+    numbers = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in fields(EngineStats)
+               if f.name not in ("tiers", "spec")}  # fmt: skip
+    tiers: dict[str, TierSnapshot] = {}
+    for s in snapshots:
+        for t in s.tiers:
+            prev = tiers.get(t.name)
+            tiers[t.name] = t if prev is None else TierSnapshot(t.name, *(
+                getattr(prev, f.name) + getattr(t, f.name) for f in fields(TierSnapshot)[1:]
+            ))  # fmt: skip
+    spec = SpecCounters()
+    for s in snapshots:
+        spec.num_drafts += s.spec.num_drafts
+        spec.num_draft_tokens += s.spec.num_draft_tokens
+        for i, k in enumerate(s.spec.accepted_per_position):
+            if i == len(spec.accepted_per_position):
+                spec.accepted_per_position.append(0)
+            spec.accepted_per_position[i] += k
+    return EngineStats(**numbers, tiers=tuple(tiers.values()), spec=spec)

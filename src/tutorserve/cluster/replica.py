@@ -1,0 +1,86 @@
+"""One engine on a Ray Serve replica: the same `AsyncEngine` a single server runs (its own
+engine thread, one OpenMP team), reached through Serve's handle calls. Admission is decided at
+the ingress (`ClusterFront`), so a replica queues whatever Serve routes to it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from tutorserve.config import EngineConfig
+from tutorserve.engine.async_engine import AsyncEngine
+from tutorserve.engine.engine import LLMEngine
+from tutorserve.engine.outputs import RequestOutput
+from tutorserve.engine.stats import EngineStats
+from tutorserve.sampling_params import SamplingParams
+
+_UNBOUNDED = 1 << 30
+
+
+class EngineReplica:
+    def __init__(self, engine_options: dict[str, Any]) -> None:
+        config = EngineConfig.from_kwargs(**engine_options)
+        self.server = AsyncEngine(lambda: LLMEngine(config), max_waiting=_UNBOUNDED)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self._started = False
+
+    async def _start(self) -> None:
+        if not self._started:  # the engine loop needs the replica's event loop
+            await self.server.start()
+            self._started = True
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        session_id: str | None = None,
+        lora: str | None = None,
+        spec_scope: str | None = None,
+        n: int = 1,
+        block_hashes: list[bytes] | None = None,  # read by the router, not here
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine gives them; cancelling the call (the client
+        left) aborts the request and frees its KV blocks."""
+        await self._start()
+        stream = self.server.submit(request_id, prompt_ids, params, priority=priority,
+                                    session_id=session_id, lora=lora, spec_scope=spec_scope,
+                                    n=n)  # fmt: skip
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def info(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "max_model_len": self.server.max_model_len,
+            "vocab_size": self.server.vocab_size,
+            "lora_adapters": self.server.lora_adapters(),
+        }
+
+    async def stats(self) -> tuple[str, EngineStats]:
+        return self.replica, self.server.stats()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._start()
+        await self.server.load_lora(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._start()
+        await self.server.unload_lora(name)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the router weighs besides its own counts: the adapters in compute slots."""
+        lora = self.server.engine.lora
+        return {"adapters": [] if lora is None else [a for a in lora.slots if a is not None]}
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose engine loop died."""
+        if self._started and not self.server.healthy:
+            raise RuntimeError(f"the engine loop stopped: {self.server.error!r}")
