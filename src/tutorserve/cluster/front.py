@@ -19,9 +19,14 @@ from typing import Any
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from tutorserve.engine.async_engine import AdmissionError, EngineDeadError, UserCaps
+from tutorserve.engine.async_engine import (
+    AdmissionError,
+    EngineDeadError,
+    OutputStream,
+    UserCaps,
+)
 from tutorserve.engine.engine import check_prompt
-from tutorserve.engine.kv_cache_manager import hash_block
+from tutorserve.engine.kv_cache_manager import extend_block_hashes
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.engine.stats import EngineStats, SpecCounters, TierSnapshot
 from tutorserve.models.tokenizer import Tokenizer
@@ -32,23 +37,19 @@ log = logging.getLogger(__name__)
 _STATS_PERIOD_S = 2.0
 
 
-class ClusterStream:
-    """A request's outputs from its replica, in order (as `RequestStream`); `close()` before
-    the end cancels the call, and the replica aborts the request."""
+class ClusterStream(OutputStream):
+    """A request's outputs from its replica; closing before the end cancels the call, and the
+    replica aborts the request."""
 
     def __init__(self, front: ClusterFront, request_id: str, user: str | None,
                  call: DeploymentResponseGenerator, n: int) -> None:  # fmt: skip
-        self.request_id = request_id
-        self._front, self._user, self._call = front, user, call
+        super().__init__(request_id, user)
+        self._front, self._call = front, call
         self._open = n  # choices not yet finished
-        self._closed = False
 
     @property
     def finished(self) -> bool:
         return self._open == 0
-
-    def __aiter__(self) -> ClusterStream:
-        return self
 
     async def __anext__(self) -> RequestOutput:
         if self.finished:
@@ -67,16 +68,7 @@ class ClusterStream:
         self._front._waiting.discard(self.request_id)
         return out
 
-    async def __aenter__(self) -> ClusterStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _on_close(self) -> None:
         self._front._release(self)
         if not self.finished:
             self._call.cancel()
@@ -109,7 +101,7 @@ class ClusterFront:
         self._grammars = GrammarCompiler(tokenizer, self.vocab_size)
         self._shutdown = shutdown
         self._waiting: set[str] = set()  # submitted, no output yet
-        self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, ())
+        self._stats = combine([])
         self._refresh: asyncio.Task | None = None
         self._replicas_up = num_replicas
 
@@ -206,11 +198,7 @@ class ClusterFront:
     def block_hashes(self, ids: list[int]) -> list[bytes]:
         """The chained hashes of the prompt's full blocks, as the engine's prefix cache keys
         them (base model; an adapter's salt is the router's `lora` fact instead)."""
-        out, parent, bs = [], b"", self.block_size
-        for i in range(len(ids) // bs):
-            parent = hash_block(parent, ids[i * bs : (i + 1) * bs])
-            out.append(parent)
-        return out
+        return extend_block_hashes([], ids, self.block_size)
 
     def _release(self, stream: ClusterStream) -> None:
         self._waiting.discard(stream.request_id)

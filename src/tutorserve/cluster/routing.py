@@ -77,7 +77,7 @@ def _by_adapter_then_load(candidates: list[Candidate], request: RouteRequest) ->
     )]  # fmt: skip
 
 
-class SessionAffinity(LeastLoaded):
+class SessionAffinity(RoutingPolicy):
     """A session's turns go to the replica that served it while it lives (its history's KV is
     there); anything else to the least loaded, preferring replicas that hold its adapter."""
 

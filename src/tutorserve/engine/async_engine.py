@@ -26,6 +26,7 @@ import asyncio
 import logging
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -92,20 +93,54 @@ class _Pending:
     spec_scope: str | None
 
 
-class RequestStream:
-    """Outputs of one request, in order; `close()` (or leaving `async with`) before the final
-    output aborts the request and frees its KV blocks.
+class OutputStream(ABC):
+    """What an engine front's `submit` returns: one request's outputs, in order; `close()` (or
+    leaving `async with`) before the final output aborts the request and frees its KV blocks.
+    Closing twice is closing once."""
+
+    def __init__(self, request_id: str, user: str | None) -> None:
+        self.request_id = request_id
+        self._user = user
+        self._closed = False
+
+    @property
+    @abstractmethod
+    def finished(self) -> bool:
+        """Every choice has given its final output."""
+
+    @abstractmethod
+    async def __anext__(self) -> RequestOutput: ...
+
+    @abstractmethod
+    def _on_close(self) -> None:
+        """Give back what the request holds in the front, and abort it if it is unfinished."""
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __aenter__(self) -> OutputStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close()
+
+
+class RequestStream(OutputStream):
+    """An `AsyncEngine` request's outputs.
 
     A request for `n` choices runs as n engine requests: choice 0 under the request's id, choice
     i under `id#i`, each output tagged with its `index`; the stream ends when all have."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, user: str | None, n: int) -> None:
-        self.request_id = request_id
+        super().__init__(request_id, user)
         self.choice_ids = [request_id, *(f"{request_id}#{i}" for i in range(1, n))]
         self._engine = engine
-        self._user = user
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._closed = False
         self._open = set(self.choice_ids)
         # Choices 1..n-1, submitted once choice 0 has computed the prompt (see AsyncEngine._fork).
         self._forks: list[_Pending] = []
@@ -113,9 +148,6 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         return not self._open
-
-    def __aiter__(self) -> RequestStream:
-        return self
 
     async def __anext__(self) -> RequestOutput:
         if self.finished:
@@ -127,16 +159,7 @@ class RequestStream:
             self._open.discard(item.request_id)
         return item
 
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _on_close(self) -> None:
         self._engine._release(self)
 
 

@@ -21,6 +21,18 @@ def hash_block(parent: bytes, tokens: list[int], salt: bytes = b"") -> bytes:
     return h.digest()
 
 
+def extend_block_hashes(
+    hashes: list[bytes], tokens: list[int], block_size: int, salt: bytes = b""
+) -> list[bytes]:
+    """Append to `hashes` (those of the leading full blocks so far) the chained hashes of the
+    rest of `tokens`' full blocks; returns `hashes`."""
+    while len(hashes) < len(tokens) // block_size:
+        i = len(hashes)
+        parent = hashes[-1] if hashes else b""
+        hashes.append(hash_block(parent, tokens[i * block_size : (i + 1) * block_size], salt))
+    return hashes
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -47,12 +59,7 @@ class KVCacheManager:
         return self.pool.num_blocks - self.pool.num_free
 
     def _extend_hashes(self, seq: Sequence) -> None:
-        bs = self.block_size
-        hashes = seq.block_hashes
-        while len(hashes) < seq.num_tokens // bs:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else b""
-            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt))
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding this request's leading tokens (at least one token left to compute,

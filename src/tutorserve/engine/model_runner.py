@@ -155,8 +155,8 @@ class ModelRunner:
                 attn.decode_lens.append(end)
             else:  # a prefill chunk, or a row with drafts: causal over its own new tokens
                 attn.prefills.append(PrefillSpan(offset, offset + n, start, table))
-            last = min(end, seq.num_prompt_tokens - 1)  # the prompt's last predicts an output
-            if seq.params.prompt_logprobs is not None and start < last:
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                last = min(end, seq.num_prompt_tokens - 1)  # the prompt's last predicts an output
                 rows = list(range(offset, offset + last - start))
                 prompt_rows.append((seq, rows, seq.token_ids[start + 1 : last + 1]))
             if end >= seq.num_tokens:  # logits at the last known token and at every draft

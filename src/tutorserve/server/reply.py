@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from tutorserve.engine.async_engine import RequestStream
+from tutorserve.engine.async_engine import OutputStream
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.models.tokenizer import Tokenizer
 from tutorserve.server.logprobs import chat_logprobs, completion_logprobs
@@ -107,7 +107,7 @@ class Reply:
         return completion_logprobs(self.tokenizer, entries, offset, out.prompt_token_ids[0])
 
     # ---- streamed -------------------------------------------------------------------------
-    async def events(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, stream: OutputStream, include_usage: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         created = int(time.time())
 

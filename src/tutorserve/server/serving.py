@@ -16,7 +16,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from tutorserve.engine.async_engine import AsyncEngine, RequestStream
+from tutorserve.engine.async_engine import AsyncEngine, OutputStream
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.sampling_params import ParamError, SamplingParams, StructuredOutputs
 from tutorserve.server.protocol import (
@@ -309,7 +309,7 @@ def _structured(
 
 
 async def _until_done(
-    stream: RequestStream, is_disconnected: Callable[[], Awaitable[bool]]
+    stream: OutputStream, is_disconnected: Callable[[], Awaitable[bool]]
 ) -> list[RequestOutput] | None:
     """Each choice's final output, or None if the client disconnects first."""
     finals: list[RequestOutput] = []
