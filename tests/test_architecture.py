@@ -14,7 +14,8 @@ from tutorserve.models.classes import MODEL_CLASSES, model_class
 
 ROOT = Path(tutorserve.__file__).parent
 ORDER = ["config", "sampling_params", "kernels", "quant", "layers", "models", "lora", "spec",
-         "structured", "engine", "cluster", "tutor", "server", "bench", "cli"]  # fmt: skip
+         "structured", "engine", "cluster", "tutor", "voice", "server", "bench", "sim",
+         "cli"]  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:

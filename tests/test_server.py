@@ -35,7 +35,8 @@ def greedy(offline, prompts, max_tokens):
 def test_models_health_openapi(live_server):
     client = openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused")
     assert [m.id for m in client.models.list()] == ["tiny"]
-    assert httpx.get(live_server.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(live_server.url + "/health").json()
+    assert health["status"] == "ok" and health["tutor"]["models"]["tiny"]["state"] == "closed"
     paths = httpx.get(live_server.url + "/openapi.json").json()["paths"]
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics"} <= set(paths)
     assert {"/tokenize", "/detokenize"} <= set(paths)

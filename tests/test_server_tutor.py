@@ -215,3 +215,35 @@ def test_agents_can_run_on_another_openai_compatible_server(synth_llama_long):
         model_server.stop()
         if tutor is not None:
             tutor.stop()
+
+
+def test_tutor_costs_in_metrics_add_up_to_the_engines_counters_and_health_shows_breakers(
+    tutor_server,
+):
+    def totals() -> dict[str, float]:
+        m = tutor_server.metrics()
+        spent = [(name, v) for name, v in m.items() if name.startswith("tutorserve:tutor_tokens_")]
+        tutor = {k: sum(v for name, v in spent if f"kind={k}," in name and "_total" in name)
+                 for k in ("prompt", "generated")}  # fmt: skip
+        engine = {"prompt": m["tutorserve:prompt_tokens_total"],
+                  "generated": m["tutorserve:generation_tokens_total"]}  # fmt: skip
+        return {"tutor": tutor, "engine": engine}
+
+    before = totals()
+    # English gaps: the tiny model's bytes never spell the gap's word, so no reply is cut off
+    # (an abandoned generation's last tokens reach the engine's counters only).
+    s = httpx.post(
+        tutor_server.url + "/v1/tutor/sessions",
+        json={"learner_id": "costs", "course": "english-b1", "school": "north"},
+        timeout=30,
+    ).json()
+    for message in ("wented", "watched"):
+        turn(tutor_server, s["id"], message)
+    after = totals()
+    for kind in ("prompt", "generated"):
+        spent = after["tutor"][kind] - before["tutor"][kind]
+        assert spent > 0 and spent == after["engine"][kind] - before["engine"][kind], kind
+    assert any("school=north" in k for k in tutor_server.metrics())
+    health = httpx.get(tutor_server.url + "/health").json()
+    (model,) = health["tutor"]["models"].values()
+    assert model["state"] == "closed" and set(model["tiers"]) == {"small", "large"}

@@ -157,15 +157,16 @@ def _check_apply_bitmask():
 
 
 def test_the_tutor_diagnosis_always_comes_in_its_form(synth_llama):
-    """The diagnose agent's reply is constrained to "label: sentence", so even a random model's
-    reply is one the agent can use."""
+    """The diagnose agent's reply is constrained to a JSON object with a label of the set, so
+    even a random model's reply is one the agent can use."""
     import asyncio
 
     from tutorserve.config import EngineConfig
     from tutorserve.engine.async_engine import AsyncEngine
     from tutorserve.engine.engine import LLMEngine
+    from tutorserve.tutor.agents.diagnose import parse
     from tutorserve.tutor.llm_client import EngineLLM, complete
-    from tutorserve.tutor.prompts import DIAGNOSIS_FORMAT, ERROR_LABELS
+    from tutorserve.tutor.prompts import DIAGNOSIS_SCHEMA, ERROR_LABELS
 
     server = AsyncEngine(
         lambda: LLMEngine(EngineConfig.from_kwargs(model=synth_llama, dtype="float32"))
@@ -176,12 +177,12 @@ def test_the_tutor_diagnosis_always_comes_in_its_form(synth_llama):
         llm = EngineLLM(server, "tiny")
         messages = [{"role": "user", "content": "Classify the mistake: 2 + 2 = 5"}]
         texts = [
-            await complete(llm, messages, max_tokens=60, temperature=1.0, regex=DIAGNOSIS_FORMAT)
+            await complete(llm, messages, max_tokens=60, temperature=1.0, schema=DIAGNOSIS_SCHEMA)
             for _ in range(3)
         ]
         await server.stop()
         return texts
 
     for text in asyncio.run(run()):
-        label, _, reason = text.partition(": ")
-        assert label in ERROR_LABELS and reason and "\n" not in reason, text
+        found = parse(text)
+        assert found is not None and found[0] in ERROR_LABELS, text

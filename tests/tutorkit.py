@@ -39,15 +39,21 @@ class ScriptedLLM:
         self.delay = delay or {}
         self.calls: list[tuple[str, list[dict[str, str]]]] = []
         self.abandoned = 0
+        self.priorities: list[int] = []
 
     async def stream(
         self, messages: list[dict[str, str]], *, max_tokens: int, temperature: float,
-        session_id: str | None, scope: str | None = None, regex: str | None = None,
+        session_id: str | None, scope: str | None = None, schema: dict | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[str]:  # fmt: skip
         agent = agent_of(messages)
         attempt = sum(1 for a, _ in self.calls if a == agent)
         self.calls.append((agent, messages))
-        default = {"diagnose": "careless: a slip.", "engage": "You are improving."}
+        self.priorities.append(priority)
+        default = {
+            "diagnose": '{"label": "careless", "reason": "a slip."}',
+            "engage": "You are improving.",
+        }
         text = self.script.get(agent, lambda m, i: default.get(agent, "Think about it."))(
             messages, attempt
         )

@@ -285,10 +285,44 @@ def cmd_plot_learner(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_costs(a: argparse.Namespace) -> int:
+    from tutorserve.tutor.cost_report import costs_table, plot_costs
+    from tutorserve.tutor.store import TutorStore
+    from tutorserve.tutor.usage_store import UsageStore
+
+    store = TutorStore(a.tutor_db)
+    try:
+        totals = UsageStore(store).totals(a.by)
+    finally:
+        store.close()
+    print(costs_table(totals, a.by))
+    if totals:
+        out = Path(a.out or f"tutor-costs-by-{a.by}.png")
+        plot_costs(totals, a.by, out)
+        print(f"plot: {out}")
+    return 0
+
+
 def cmd_fit_bkt(a: argparse.Namespace) -> int:
     from tutorserve.tutor.fit import fit_and_report
 
     print(fit_and_report(a.data, a.out, a.test_fraction, a.iterations, a.forgetting, a.seed))
+    return 0
+
+
+def cmd_fit_kt(a: argparse.Namespace) -> int:
+    from tutorserve.tutor.fit import fit_kt_and_report, write_split
+    from tutorserve.tutor.kt import DKTConfig
+
+    if a.split and a.test:
+        raise ValueError("--split makes the train and test logs; give it without --test")
+    if a.split:
+        print(write_split(a.split, a.out, a.test_fraction, a.seed))
+        return 0
+    if not (a.train and a.test):
+        raise ValueError("give --train and --test (or --split LOG to make them from one log)")
+    dkt = DKTConfig(hidden=a.hidden, epochs=a.epochs, seed=a.seed, threads=a.threads)
+    print(fit_kt_and_report(a.train, a.test, a.out, a.model, a.iterations, dkt))
     return 0
 
 
@@ -400,6 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="PNG path (default: LEARNER-mastery.png)")
     p.set_defaults(func=cmd_plot_learner)
 
+    from tutorserve.tutor.costs import DIMENSIONS as COST_BY
+
+    p = tutor.add_parser("costs", help="model tokens and seconds by school, course, agent, ...")
+    p.add_argument("--by", choices=COST_BY, default="school")
+    p.add_argument("--tutor-db", default=None, metavar="URL", help="as for serve")
+    p.add_argument("--out", default=None, help="PNG path (default: tutor-costs-by-BY.png)")
+    p.set_defaults(func=cmd_costs)
+
     p = tutor.add_parser("fit-bkt", help="fit BKT by EM on answer logs; AUC/RMSE on held-out users")
     p.add_argument(
         "--data",
@@ -416,9 +458,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results/bkt", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_fit_bkt)
 
+    p = tutor.add_parser(
+        "fit-kt", help="train learner models on one answer log, AUC/RMSE on another's students"
+    )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--train", metavar="CSV", help="answer log to train on")
+    g.add_argument(
+        "--split",
+        metavar="CSV",
+        help="instead: split this log by user as fit-bkt does and write OUT/train.csv, "
+        "OUT/test.csv",
+    )
+    p.add_argument(
+        "--test",
+        metavar="CSV",
+        help="answer log of held-out students (user_id, skill_name, correct)",
+    )
+    p.add_argument(
+        "--model",
+        nargs="+",
+        choices=["bkt", "dkt"],
+        default=["bkt", "dkt"],
+        help="models to train and score (default: both)",
+    )
+    p.add_argument("--iterations", type=int, default=30, help="BKT EM iterations")
+    p.add_argument("--epochs", type=int, default=20, help="DKT epochs (the best is kept)")
+    p.add_argument("--hidden", type=int, default=64, help="DKT state size")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for DKT")
+    p.add_argument("--test-fraction", type=float, default=0.2, help="users held out by --split")
+    p.add_argument("--seed", type=int, default=0, help="for --split and DKT")
+    p.add_argument("--out", default="bench-results/kt", help="folder for JSON and PNG")
+    p.set_defaults(func=cmd_fit_kt)
+
     from tutorserve.bench.cli import add_bench_parser
+    from tutorserve.sim.cli import add_sim_parser
 
     add_bench_parser(sub)
+    add_sim_parser(sub)
     return parser
 
 

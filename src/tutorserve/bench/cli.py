@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tutorserve.bench.registry import OFFLINE, PEERS, SERVERS, OfflineRun
+from tutorserve.bench.step_cost import FEATURES
 from tutorserve.bench.systems import host_dtype
 from tutorserve.config import EngineConfig, add_engine_args, engine_options
 from tutorserve.engine.policy import POLICIES
@@ -123,6 +124,24 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="bench-results/tutor")
     p.set_defaults(func=cmd_tutor)
 
+    p = bench.add_parser("voice", help="spoken turns: end of speech to first audio, by stage")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", **DTYPE_ARG)
+    p.add_argument("--sessions", default="1,4,8", help="concurrent spoken sessions, each run")
+    p.add_argument("--problems", type=int, default=3, help="problems each learner answers")
+    p.add_argument("--out", default="bench-results/voice")
+    p.set_defaults(func=cmd_voice)
+
+    p = bench.add_parser(
+        "tutor-scale", help="tutoring at district scale: reply cache, tiers, breaker on and off"
+    )
+    p.add_argument("--students", default="4,64", help="students per course, each run ('' for none)")
+    p.add_argument("--problems", type=int, default=3, help="problems each student works")
+    p.add_argument("--engine", metavar="MODEL", help="also run on this model, in process")
+    p.add_argument("--engine-students", type=int, default=4)
+    p.add_argument("--out", default="bench-results/tutor-scale", help="folder for JSON")
+    p.set_defaults(func=cmd_tutor_scale)
+
     p = bench.add_parser("spec", help="tutor replies: TPOT with each speculative proposer vs none")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", **DTYPE_ARG)
@@ -161,6 +180,24 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=64, help="requests decoding together (≤ 64)")
     add_engine_args(p, only=("quantization",))
     p.set_defaults(func=cmd_profile_decode)
+
+    p = bench.add_parser("calibrate", help="fit the simulator's step-cost model on this host")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", **DTYPE_ARG)
+    p.add_argument("--episodes", type=int, default=24, help="random batch shapes (per engine)")
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="engines calibrating at once, as replicas sharing this host",
+    )
+    p.add_argument(
+        "--loras", type=int, default=0, help="random LoRA adapters to load and mix into the batches"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    add_engine_args(p, only=("num_threads", "quantization", "max_num_batched_tokens"))
+    p.add_argument("--out", default="bench-results/calibrate", help="folder for JSON and PNG")
+    p.set_defaults(func=cmd_calibrate)
 
 
 def cmd_offline(a: argparse.Namespace) -> int:
@@ -498,6 +535,32 @@ def cmd_tutor(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_voice(a: argparse.Namespace) -> int:
+    from tutorserve.bench.voice import as_json, heard_table, plot, run_voice_bench, table
+
+    levels = [int(n) for n in a.sessions.split(",")]
+    if min(levels) < 1 or a.problems < 1:
+        raise ValueError("--sessions and --problems must be at least 1")
+    samples = run_voice_bench(a.model, levels, a.problems, {"dtype": a.dtype})
+    _save(a.out, "voice", as_json(samples), lambda png: plot(samples, png))
+    print(table(samples))
+    print()
+    print(heard_table(samples))
+    return 0
+
+
+def cmd_tutor_scale(a: argparse.Namespace) -> int:
+    from tutorserve.bench.tutor_scale_report import run_report
+
+    students = [int(n) for n in a.students.split(",") if n]
+    if min(students, default=1) < 1 or a.problems < 1 or a.engine_students < 1:
+        raise ValueError("--students, --problems and --engine-students must be >= 1")
+    run_report(students, a.problems, Path(a.out), a.engine, a.engine_students)
+    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
+    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+    return 0
+
+
 def cmd_spec(a: argparse.Namespace) -> int:
     from tutorserve.bench.speculative import as_json, plot, run_spec_bench, table
     from tutorserve.spec import PROPOSERS
@@ -618,3 +681,29 @@ def _hf_dir(model: str, path: Path) -> str:
     from tutorserve.bench.offline import cache_dir
 
     return export_gguf_to_hf(str(path), str(cache_dir() / "hf" / model.replace("/", "_")))
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from tutorserve.bench.calibrate import calibrate, plot
+
+    # A RAM tier for the restore probe; no episode's prompts come back, so it serves no other.
+    config = EngineConfig(model=a.model, dtype=a.dtype, kv_cache_bytes=1 << 30,
+                          kv_ram_bytes=1 << 30, max_num_seqs=64, **engine_options(a))  # fmt: skip
+    model, samples = calibrate(config, a.episodes, a.seed, a.parallel, _machine(), a.loras)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save(out / "step-cost.json")
+    _save(a.out, "calibrate-samples",
+          [{"rows": s.shape.rows, "seconds": s.seconds, "held_out": s.held_out} for s in samples],
+          lambda png: plot(model, samples, png))  # fmt: skip
+    err = model.error
+    print(f"step-cost model: {out / 'step-cost.json'}")
+    print("coefficients: " + ", ".join(f"{n}={c:.3g}" for n, c in
+                                        zip(FEATURES, model.coef, strict=True)))  # fmt: skip
+    print(
+        f"held-out steps: {err['steps']}; error per step median "
+        f"{err['median_rel_error']:.1%}, mean {err['mean_rel_error']:.1%}, "
+        f"p90 {err['p90_rel_error']:.1%}; summed time {err['total_time_error']:.1%}"
+    )
+    print(f"restore from the RAM tier: {model.restore_s_per_block * 1000:.2f} ms per block")
+    return 0

@@ -15,7 +15,7 @@ from tutorserve.engine.kv_cache_manager import KVCacheManager
 from tutorserve.engine.kv_tiers import TieredKVStore, model_fingerprint
 from tutorserve.engine.model_runner import ModelRunner
 from tutorserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from tutorserve.engine.scheduler import Scheduler
+from tutorserve.engine.scheduler import Scheduler, StepShape
 from tutorserve.engine.sequence import Sequence, SequenceStatus
 from tutorserve.engine.stats import EngineStats, SpecCounters
 from tutorserve.lora.manager import LoRAManager
@@ -36,6 +36,7 @@ class StepRecord:
     forward_s: float  # model forward + logits; the rest of step_s is engine overhead
     num_running: int
     num_used_blocks: int
+    shape: StepShape
 
 
 @dataclass(slots=True)
@@ -274,6 +275,7 @@ class LLMEngine:
                 self.store.wait_for_reads(timeout=0.01)
             return []
         used_blocks, running = self.kv.num_used_blocks, len(self.scheduler.running)
+        shape = batch.shape() if self.step_log is not None else None
         result = self.runner.run(batch)
         now = time.monotonic()
         for seq, entries in result.prompt_logprobs:
@@ -302,6 +304,7 @@ class LLMEngine:
                     forward_s=self.runner.last_forward_s,
                     num_running=running,
                     num_used_blocks=used_blocks,
+                    shape=shape,
                 )
             )
         return outputs

@@ -23,6 +23,15 @@ log = logging.getLogger(__name__)
 _LPM_WINDOW = 64  # waiting requests ordered per admission; bounds the cost under overload
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step computes, as a step-cost model sees it (`bench/step_cost.py`)."""
+
+    rows: tuple[tuple[int, int], ...]  # per request: (tokens computed now, tokens in KV before)
+    num_adapters: int = 0  # distinct LoRA adapters in the batch
+    lora_tokens: int = 0  # tokens of rows that run an adapter
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     # One-token rows first (decode-shaped), then multi-token ones: prefill chunks, and decode
@@ -34,6 +43,16 @@ class SchedulerOutput:
     @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
+
+    def shape(self) -> StepShape:
+        """Taken before the step runs (its rows' KV lengths are those before it)."""
+        lora = [(s.lora, n) for s, n in zip(self.seqs, self.num_tokens, strict=True) if s.lora]
+        return StepShape(
+            tuple((n, s.num_computed_tokens) for s, n in zip(self.seqs, self.num_tokens,
+                                                              strict=True)),
+            len({a for a, _ in lora}),
+            sum(n for _, n in lora),
+        )  # fmt: skip
 
 
 class Scheduler:

@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tutorserve.engine.async_engine import AdmissionError, AsyncEngine, EngineDeadError
-from tutorserve.server.metrics import CONTENT_TYPE, EngineMetrics
+from tutorserve.server.audio import Voice, audio_router
+from tutorserve.server.metrics import CONTENT_TYPE, EngineMetrics, TutorCollector
 from tutorserve.server.openapi import error_responses, sse_event, text_response, truthful_openapi
 from tutorserve.server.protocol import (
     ChatCompletionRequest,
@@ -37,6 +38,7 @@ from tutorserve.server.protocol import (
 )
 from tutorserve.server.serving import APIError, OpenAIServing
 from tutorserve.server.tutor_api import tutor_router
+from tutorserve.server.voice_socket import voice_socket_router
 from tutorserve.tutor.service import TutorService
 
 log = logging.getLogger(__name__)
@@ -157,6 +159,8 @@ def build_app(
     serving = OpenAIServing(server, settings.model_name)
     exporter = EngineMetrics(server.stats)
     server.on_finished, server.on_rejected = exporter.observe_finished, exporter.observe_rejected
+    if tutor is not None:
+        exporter.registry.register(TutorCollector(tutor))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
@@ -324,7 +328,7 @@ def build_app(
     async def health() -> Any:
         if not server.healthy:
             return _error(503, "the engine loop is not running", "server_error")
-        return HealthResponse()
+        return HealthResponse(tutor=tutor.health() if tutor is not None else None)
 
     @app.get(
         "/metrics",
@@ -334,8 +338,11 @@ def build_app(
     async def metrics() -> Response:
         return Response(exporter.render(), media_type=CONTENT_TYPE)
 
+    voice = Voice.from_env()  # cheap: Whisper loads at the first spoken request
+    app.include_router(audio_router(voice))
     if tutor is not None:
-        app.include_router(tutor_router(tutor))
+        app.include_router(tutor_router(tutor, voice))
+        app.include_router(voice_socket_router(tutor, voice, settings.api_key))
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:

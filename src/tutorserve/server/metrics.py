@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.engine.stats import EngineStats, TierSnapshot
+from tutorserve.tutor.service import TutorService
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _P = "tutorserve:"
@@ -184,3 +185,71 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TutorCollector(Collector):
+    """The tutor's costs, reply cache, breakers and quotas, read at scrape time. Labels are
+    bounded: agents, tiers and courses are fixed at startup; schools and models beyond
+    `costs.MAX_LABEL_VALUES` count as "other"."""
+
+    def __init__(self, tutor: TutorService) -> None:
+        self.tutor = tutor
+
+    def collect(self) -> Iterator[Metric]:
+        t = self.tutor
+        costs = t.ledger.snapshot()
+        where = ["school", "course", "agent", "model", "tier"]
+        tokens = CounterMetricFamily(
+            _P + "tutor_tokens",
+            "Model tokens spent by tutor agents (kind: prompt, cached — of prompt, served from "
+            "the prefix cache — or generated).",
+            labels=["kind", *where],
+        )
+        for key, n in costs["tokens"].items():
+            tokens.add_metric(list(key), n)
+        seconds = CounterMetricFamily(
+            _P + "tutor_model_seconds", "Wall seconds of tutor model calls.", labels=where
+        )
+        calls = CounterMetricFamily(_P + "tutor_model_calls", "Tutor model calls.", labels=where)
+        for key, v in costs["seconds"].items():
+            seconds.add_metric(list(key), v)
+        for key, n in costs["calls"].items():
+            calls.add_metric(list(key), n)
+        turns = CounterMetricFamily(
+            _P + "tutor_turns", "Tutor turns stored.", labels=["school", "course"]
+        )
+        for key, n in costs["turns"].items():
+            turns.add_metric(list(key), n)
+        yield from (tokens, seconds, calls, turns)
+        if (cache := t.routing.cache) is not None:
+            stats = cache.stats()
+            for name, doc in (
+                ("hits", "Agent calls answered from the reply cache."),
+                ("misses", "Agent calls the reply cache did not know."),
+                ("saved_tokens", "Model tokens the reply cache's hits did not spend."),
+            ):
+                family = CounterMetricFamily(
+                    _P + f"tutor_reply_cache_{name}", doc, labels=["agent"]
+                )
+                for agent, n in stats[name].items():
+                    family.add_metric([agent], n)
+                yield family
+        state = GaugeMetricFamily(
+            _P + "tutor_breaker_open",
+            "1 while a model endpoint's circuit breaker is open (0.5 half-open).",
+            labels=["model"],
+        )
+        opened = CounterMetricFamily(
+            _P + "tutor_breaker_opened", "Times the breaker opened.", labels=["model"]
+        )
+        for model, b in t.routing.health().items():
+            state.add_metric([model], {"closed": 0.0, "half_open": 0.5, "open": 1.0}[b["state"]])
+            opened.add_metric([model], b["times_opened"])
+        yield from (state, opened)
+        if (q := t.quotas) is not None:
+            over = CounterMetricFamily(
+                _P + "tutor_quota_exceeded", "Turns beyond a school's quota.", labels=["action"]
+            )
+            over.add_metric(["refused"], q.refused)
+            over.add_metric(["degraded"], q.degraded)
+            yield over

@@ -386,6 +386,8 @@ def chunk(
 
 class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
+    # Each tutor model endpoint's circuit breaker (state, calls and failures in its window).
+    tutor: dict[str, Any] | None = None
 
 
 # ---- vLLM's /tokenize and /detokenize -------------------------------------------------------

@@ -13,9 +13,17 @@ from tutorserve.tutor.llm_client import Messages
 
 HISTORY_TURNS = 4
 ERROR_LABELS = ("careless", "misconception", "misread", "guess", "right-idea", "stuck")
-# The diagnose reply's form, enforced where the model server can (our engine's constrained
-# decoding): a label, a colon, one line.
-DIAGNOSIS_FORMAT = "(" + "|".join(re.escape(label) for label in ERROR_LABELS) + r"): [^\n]{1,160}"
+# The diagnose reply's form, a JSON object enforced by constrained decoding: the label can only
+# be one of the set, whatever the model.
+DIAGNOSIS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": list(ERROR_LABELS)},
+        "reason": {"type": "string", "maxLength": 160},
+    },
+    "required": ["label", "reason"],
+    "additionalProperties": False,
+}
 
 # Written as the student's own request: small models answer a request in the first person
 # far more often than they follow third-person instructions (which they tend to repeat back).
@@ -82,7 +90,7 @@ def diagnose_messages(
         f"Problem: {problem.text}\nCorrect answer: {problem.answer}\n"
         f"Student's answer: {message}\n\n"
         f"Classify the student's mistake with one label from: {', '.join(ERROR_LABELS)}. "
-        "Reply with the label, a colon, and one short sentence naming the error."
+        'Reply in JSON: {"label": ..., "reason": one short sentence naming the error}.'
     )
     return _wrap(course, history, task)
 
@@ -96,12 +104,19 @@ def explain_messages(
     diagnosis: str,
     material: list[str],
     strict: bool = False,
+    pedagogical: bool = False,
 ) -> Messages:
+    """`pedagogical`: the cacheable form, which any learner on this problem, rung and diagnosis
+    may be served: no history and none of the learner's words (a right answer is shown as the
+    problem's own; a wrong one is described only by `diagnosis`, which must then be authored
+    text or a label, never the model's reading of the learner's words)."""
     idea = problem.hints[level - 1] if level in (1, 2) else problem.correction if level else ""
+    if pedagogical:
+        message, history = (problem.answer if level == 0 else ""), []
     parts = [
         "Notes:\n" + "\n".join(material) if material else "",
         f"Problem: {problem.text}",
-        f"My answer: {message}",
+        f"My answer: {message}" if message else "",
         f"(My mistake: {diagnosis})" if diagnosis and level else "",
         f"{LEVEL_TASKS[level]} Use this idea: {idea}" if idea else LEVEL_TASKS[level],
         STRICT if strict else "",

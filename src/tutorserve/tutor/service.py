@@ -1,6 +1,7 @@
 """The tutor service: sessions, turns and learner profiles over the course set, the store, the
-agent graph and its services (the chat model, the retriever, the tracer). The HTTP layer
-(`server/tutor_api.py`) only translates.
+agent graph and its services (the model routing, the retriever, the tracer). The HTTP layer
+(`server/tutor_api.py`) only translates. Each turn is admitted by its school's quota and its
+model calls are charged to the learner, session, course, school, agent and model.
 
 A turn runs in its own task, independent of the connection that asked for it: a student who
 closes the tab still has the answer assessed and the turn stored. The turn and what its attempt
@@ -21,13 +22,17 @@ from opentelemetry.trace import Tracer
 from tutorserve.tutor.agents import CRITICAL_STEPS, assess, engage
 from tutorserve.tutor.agents import timeouts as agent_timeouts
 from tutorserve.tutor.agents.retrieve import course_material
+from tutorserve.tutor.costs import Call, CostLedger, usage_summary
 from tutorserve.tutor.courses import Course
 from tutorserve.tutor.graph import build_turn_graph
 from tutorserve.tutor.llm_client import ChatLLM
 from tutorserve.tutor.profile import course_progress, kc_states, pick_problem
 from tutorserve.tutor.prompts import HISTORY_TURNS, LEVEL_NAMES
+from tutorserve.tutor.quotas import Admission, Quotas
+from tutorserve.tutor.routing import Routing
 from tutorserve.tutor.store import TutorStore
 from tutorserve.tutor.turn import Retriever, Turn, TurnState, TutorContext
+from tutorserve.tutor.usage_store import Charge, UsageStore
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +50,22 @@ class TutorService:
         self,
         courses: dict[str, Course],
         store: TutorStore,
-        llm: ChatLLM,
+        models: ChatLLM | Routing,
         *,
         timeouts: Mapping[str, float] | None = None,
         retriever: Retriever = course_material,
         tracer: Tracer | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
-        """`timeouts`: seconds per agent name, for those not to keep their own default."""
+        """`models`: one chat model for every agent, or a `Routing` (tiers, policy, breakers,
+        reply cache). `timeouts`: seconds per agent name, for those not to keep their own
+        default. `quotas`: per-school limits (none: unlimited)."""
         self.courses = courses
         self.store = store
-        self.llm = llm
+        self.usage = UsageStore(store)
+        self.routing = models if isinstance(models, Routing) else Routing.single(models)
+        self.quotas = quotas
+        self.ledger = CostLedger()
         self.retriever = retriever
         self.timeouts = agent_timeouts(timeouts)
         self.tracer = tracer or trace.get_tracer("tutorserve.tutor")
@@ -75,11 +86,16 @@ class TutorService:
         except UnknownCourseError as e:
             raise KeyError(f"this session's course {stored_id!r} is no longer served") from e
 
-    async def start_session(self, learner_id: str, course_id: str) -> dict[str, Any]:
+    async def start_session(
+        self, learner_id: str, course_id: str, school: str | None = None
+    ) -> dict[str, Any]:
+        """`school`: the tenant the learner belongs to from now on (kept if None)."""
         course = self.course(course_id)
         states, solved = await asyncio.to_thread(self._learner_state, learner_id, course)
         problem = pick_problem(course, states, solved) or course.problems[0]
         rec = await asyncio.to_thread(self.store.create_session, learner_id, course.id, problem.id)
+        if school is not None:
+            await asyncio.to_thread(self.usage.set_tenant, learner_id, school)
         return {
             "id": rec.id,
             "learner_id": learner_id,
@@ -117,17 +133,19 @@ class TutorService:
         return kc_states(course, stored), self.store.solved(learner_id, course.id)
 
     async def start_turn(self, session_id: str, message: str) -> AsyncIterator[dict[str, Any]]:
-        """Start a turn, or raise KeyError / SessionBusyError before anything starts. The turn
-        runs on its own; the returned iterator gives its events: `delta` and `reset` while the
-        reply streams, then `final`, then `engage`. Nobody need read them."""
+        """Start a turn, or raise KeyError / SessionBusyError / QuotaExceeded before anything
+        starts. The turn runs on its own; the returned iterator gives its events: `delta` and
+        `reset` while the reply streams, then `final`, then `engage`. Nobody need read them."""
         rec = await asyncio.to_thread(self.store.get_session, session_id)
         if rec is None:
             raise KeyError(f"no tutoring session {session_id!r}")
         course = self._course_of(rec.course_id)
         if rec.problem_id is None or rec.problem_id not in course.problem:
             raise KeyError(f"session {session_id!r} has finished every problem of its course")
+        tenant = await asyncio.to_thread(self.usage.tenant_of, rec.learner_id)
         if session_id in self._busy:
             raise SessionBusyError(f"session {session_id!r} is still answering the last turn")
+        admission = self.quotas.admit(tenant) if self.quotas else Admission()
         self._busy.add(session_id)  # before any await, so a second request sees it
         try:
             states, solved = await asyncio.to_thread(self._learner_state, rec.learner_id, course)
@@ -145,6 +163,9 @@ class TutorService:
             states=states,
             solved=frozenset(solved),
             started=time.monotonic(),
+            tenant=tenant,
+            cap=admission.cap,
+            priority=admission.priority,
         )
         events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         task = asyncio.create_task(self._drive(turn, events))
@@ -158,7 +179,7 @@ class TutorService:
             attributes={"tutor.session": turn.session_id, "tutor.course": turn.course.id},
         )
         services = TutorContext(
-            llm=self.llm,
+            routing=self.routing,
             retriever=self.retriever,
             timeouts=self.timeouts,
             tracer=self.tracer,
@@ -182,6 +203,8 @@ class TutorService:
                     await asyncio.to_thread(
                         self.store.set_engage, turn.session_id, index, state["engage"]
                     )
+                    engage_calls = [c for c in state["calls"] if c.agent == engage.AGENT.name]
+                    await asyncio.to_thread(self._charge, turn, engage_calls, False)
                     step = state["steps"][engage.AGENT.name]
                     took = round(step["end_ms"] - step["start_ms"], 1)
                     events.put_nowait(
@@ -211,6 +234,8 @@ class TutorService:
             "problem": turn.problem.view(),
             "next_problem": nxt.view() if nxt else None,
             "fallbacks": state.get("fallbacks", []),
+            "tiers": state.get("tiers", {}),
+            "usage": usage_summary(state.get("calls", [])),
             "timing": {
                 "critical_path_ms": round(critical, 1),
                 "sum_of_steps_ms": round(total, 1),
@@ -220,15 +245,29 @@ class TutorService:
         }
 
     def _save(self, turn: Turn, state: TurnState, final: dict[str, Any]) -> int:
-        return self.store.add_turn(
+        index = self.store.add_turn(
             turn.session_id,
             turn.message,
             final["reply"],
             final["diagnosis"],
             final["ladder_level"],
-            final["timing"],
+            final["timing"] | {"tiers": final["tiers"]},
             state.get("attempt"),
         )
+        self._charge(turn, state.get("calls", []), True)
+        return index
+
+    def _charge(self, turn: Turn, calls: list[Call], whole_turn: bool) -> None:
+        """Costs to the store, the metrics ledger and the school's token quota."""
+        charge = Charge(turn.learner_id, turn.session_id, turn.course.id, turn.tenant)
+        self.usage.add(charge, calls)
+        self.ledger.charge(turn.tenant, turn.course.id, calls, whole_turn)
+        if self.quotas is not None:
+            self.quotas.charge(turn.tenant, sum(c.tokens for c in calls if not c.cached_reply))
+
+    def health(self) -> dict[str, Any]:
+        """The model endpoints' circuit breakers, for /health."""
+        return {"models": self.routing.health()}
 
     async def learner(self, learner_id: str) -> dict[str, Any]:
         if not await asyncio.to_thread(self.store.learner_exists, learner_id):

@@ -1,5 +1,6 @@
-"""The tutor store's tables (SQLAlchemy ORM): learners, sessions, turns, per-KC mastery and
-solved problems. Portable types only, so SQLite and PostgreSQL share the schema."""
+"""The tutor store's tables (SQLAlchemy ORM): learners, sessions, turns, per-KC mastery,
+solved problems, and each learner's school with the model calls charged to it.
+Portable types only, so SQLite and PostgreSQL share the schema."""
 
 from __future__ import annotations
 
@@ -79,3 +80,32 @@ class SolvedRow(Base):
     learner_id: Mapped[str] = mapped_column(sa.ForeignKey("learners.id"), primary_key=True)
     course_id: Mapped[str] = mapped_column(primary_key=True)
     problem_id: Mapped[str] = mapped_column(primary_key=True)
+
+
+class TenantRow(Base):
+    """The school (tenant) a learner belongs to, charged for their turns."""
+
+    __tablename__ = "tenants"
+    learner_id: Mapped[str] = mapped_column(sa.ForeignKey("learners.id"), primary_key=True)
+    tenant: Mapped[str] = mapped_column(index=True)
+
+
+class UsageRow(Base):
+    """One model call of a turn (or one reply-cache hit: no tokens spent, `saved_tokens`)."""
+
+    __tablename__ = "usage"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime]
+    learner_id: Mapped[str] = mapped_column(index=True)
+    session_id: Mapped[str] = mapped_column(index=True)
+    course_id: Mapped[str]
+    tenant: Mapped[str] = mapped_column(index=True)
+    agent: Mapped[str]
+    model: Mapped[str]
+    tier: Mapped[str]
+    prompt_tokens: Mapped[int]
+    cached_tokens: Mapped[int]
+    generated_tokens: Mapped[int]
+    seconds: Mapped[float]
+    cached_reply: Mapped[bool]
+    saved_tokens: Mapped[int]

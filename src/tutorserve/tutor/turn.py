@@ -1,6 +1,7 @@
 """One tutoring turn as LangGraph sees it: the state is typed data only (what the turn read, what
 each agent wrote), and the services the agents call through (the chat model, the retriever, the
-tracer, the timeouts) are the run's context, LangGraph's `Runtime.context`, never state.
+tracer, the timeouts, the model routing) are the run's context, LangGraph's `Runtime.context`,
+never state.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from typing import Annotated, Literal, TypedDict
 from opentelemetry.context import Context
 from opentelemetry.trace import Tracer
 
+from tutorserve.tutor.costs import Call
 from tutorserve.tutor.courses import Course, Problem
-from tutorserve.tutor.llm_client import ChatLLM
+from tutorserve.tutor.routing import Routing
 from tutorserve.tutor.store import Attempt, KCState
+from tutorserve.tutor.tiers import Situation, Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,21 @@ class Turn:
     states: Mapping[str, KCState]
     solved: frozenset[str]
     started: float  # time.monotonic() when the turn began; step times are relative to it
+    tenant: str = "default"  # the school the learner belongs to, charged for the turn
+    cap: Tier = Tier.LARGE  # the highest model tier the turn may use (lower: over quota)
+    priority: int = 0  # the engine's request priority for its model calls (lower first)
+
+    @property
+    def cefr(self) -> str:
+        """The highest CEFR level of the problem's KCs ("" for a course without levels)."""
+        return max((c for k in self.problem.kcs if (c := self.course.kc[k].cefr)), default="")
+
+    def situation(self, agent: str, rung: int, wrong: bool = False) -> Situation:
+        """The learner's state as the tiering policy sees it; `wrong`: this turn's answer was."""
+        kcs = self.problem.kcs
+        streak = max(self.states[k].consecutive_errors for k in kcs) + int(wrong)
+        mastery = min(self.states[k].p_mastery for k in kcs)
+        return Situation(agent, rung, mastery, streak, self.cefr)
 
 
 class Diagnosis(TypedDict):
@@ -60,6 +78,8 @@ class TurnState(TypedDict, total=False):
     engage: str
     steps: Annotated[dict[str, Step], _merge]
     fallbacks: Annotated[list[str], operator.add]
+    tiers: Annotated[dict[str, str], _merge]  # per agent: what wrote its text (tier or "code")
+    calls: Annotated[list[Call], operator.add]  # model calls and reply-cache hits, for costs
 
 
 Retriever = Callable[[Turn], list[str]]
@@ -69,7 +89,7 @@ Retriever = Callable[[Turn], list[str]]
 class TutorContext:
     """The services of one turn's run, passed as LangGraph's runtime context."""
 
-    llm: ChatLLM
+    routing: Routing
     retriever: Retriever  # plain code that may block (a search index): called in a thread
     timeouts: Mapping[str, float]  # seconds per agent name
     tracer: Tracer

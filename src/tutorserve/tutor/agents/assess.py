@@ -41,4 +41,6 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
     return {"attempt": assess(state["turn"], state["diagnosis"])}
 
 
-AGENT = Agent("assess", timeout=10.0, run=run, fallback=lambda *_: {"attempt": None})
+AGENT = Agent(
+    "assess", timeout=10.0, run=run, fallback=lambda *_: {"attempt": None}, uses_model=False
+)

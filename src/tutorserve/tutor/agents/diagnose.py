@@ -1,20 +1,25 @@
 """diagnose: right or wrong and the ladder rung, by code; an authored diagnosis for a known
-mistake; for any other wrong answer, the model's label for the mistake."""
+mistake; for any other wrong answer, the model's label for the mistake, a JSON object (label
+from the fixed set, short reason) under constrained decoding."""
 
 from __future__ import annotations
 
+import json
 import re
 
 from langgraph.runtime import Runtime
 
 from tutorserve.tutor import prompts
-from tutorserve.tutor.agents.agent import Agent, Update
+from tutorserve.tutor.agents.agent import Agent, Update, reply_key
 from tutorserve.tutor.answers import is_correct, matches
+from tutorserve.tutor.costs import begin_call, logged_calls
 from tutorserve.tutor.ladder import ladder_level, message_kind
-from tutorserve.tutor.llm_client import complete
+from tutorserve.tutor.reply_cache import CachedReply, normalized
+from tutorserve.tutor.tiers import Tier
 from tutorserve.tutor.turn import Diagnosis, Turn, TurnState, TutorContext
 
-_LABEL = re.compile(r"\b(" + "|".join(map(re.escape, prompts.ERROR_LABELS)) + r")\b", re.I)
+# A reply cut off by the token limit still starts with its label (the schema puts it first).
+_LABEL_FIRST = re.compile(r'^\s*\{\s*"label"\s*:\s*"([a-z-]+)"')
 
 
 def judge(turn: Turn) -> Diagnosis:
@@ -38,23 +43,55 @@ def judge(turn: Turn) -> Diagnosis:
     return d
 
 
+def parse(text: str) -> tuple[str, str] | None:
+    """(label, reason) from the model's JSON, or None if it has no label of the set."""
+    try:
+        obj = json.loads(text)
+        label, reason = obj.get("label"), obj.get("reason", "")
+    except (ValueError, AttributeError):
+        found = _LABEL_FIRST.match(text)
+        label, reason = (found[1], "") if found else (None, "")
+    if label not in prompts.ERROR_LABELS or not isinstance(reason, str):
+        return None
+    return label, reason.strip().split("\n")[0]
+
+
 async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
-    turn = state["turn"]
+    turn, routing = state["turn"], runtime.context.routing
     d = judge(turn)
-    if d["kind"] == "answer" and not d["correct"] and d["source"] != "authored":
-        text = await complete(
-            runtime.context.llm,
-            prompts.diagnose_messages(turn.course, turn.problem, turn.message, turn.history),
-            max_tokens=40,
+    if d["kind"] != "answer" or d["correct"] or d["source"] == "authored":
+        return {"diagnosis": d}
+    tier = routing.tier(turn.situation(AGENT.name, d["level"], wrong=True), turn.cap)
+    if tier is Tier.AUTHORED:
+        return {"diagnosis": d}
+    # The diagnosis reads the learner's answer, so its cache key carries that answer: only a
+    # learner who gave the same answer to the same problem shares it.
+    cache, key, text = routing.cache, None, None
+    if cache is not None:
+        key = reply_key(AGENT.name, turn, d["level"], "", routing.model_name(tier),
+                        said=normalized(turn.message))  # fmt: skip
+        if (hit := cache.get(key)) is not None:
+            begin_call(tier, key.model, cached_reply=True, saved_tokens=hit.tokens)
+            text = hit.text
+    if text is None:
+        history = [] if cache is not None else turn.history
+        text = await routing.complete(
+            tier,
+            prompts.diagnose_messages(turn.course, turn.problem, turn.message, history),
+            max_tokens=64,
+            temperature=0.0,
             session_id=turn.session_id,
             scope=f"diagnose/{turn.course.id}/{turn.problem.id}",
-            regex=prompts.DIAGNOSIS_FORMAT,
+            schema=prompts.DIAGNOSIS_SCHEMA,
+            priority=turn.priority,
         )
-        # Only a reply in the asked form is used: free text from a confused model would
-        # otherwise flow into the explanation prompt.
-        if label := _LABEL.match(text.strip()):
-            reason = text.strip()[label.end() :].lstrip(" :-").split("\n")[0]
-            d |= {"label": label[1].lower(), "reason": reason, "source": "model"}
+        if cache is not None and key is not None and (calls := logged_calls()):
+            tokens = sum(c.tokens for c in calls)
+            cache.put(key.with_model(calls[-1].model), CachedReply(text, tokens))
+    # Only a reply of the asked form is used: free text from a confused model (or a server
+    # that ignored the schema) would otherwise flow into the explanation prompt.
+    if found := parse(text):
+        d |= {"label": found[0], "reason": found[1], "source": "model"}
     return {"diagnosis": d}
 
 

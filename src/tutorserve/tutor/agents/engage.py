@@ -9,7 +9,7 @@ from langgraph.runtime import Runtime
 
 from tutorserve.tutor import prompts
 from tutorserve.tutor.agents.agent import Agent, Update
-from tutorserve.tutor.llm_client import complete
+from tutorserve.tutor.tiers import Tier
 from tutorserve.tutor.turn import TurnState, TutorContext
 
 
@@ -22,15 +22,19 @@ def authored(state: TurnState) -> str:
 
 
 async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
-    turn, attempt = state["turn"], state.get("attempt")
+    turn, attempt, routing = state["turn"], state.get("attempt"), runtime.context.routing
+    tier = routing.tier(turn.situation(AGENT.name, state["diagnosis"]["level"]), turn.cap)
+    if tier is Tier.AUTHORED:
+        return {"engage": authored(state)}
     changes = attempt.mastery_changes if attempt else {}
     progress = ", ".join(f"{turn.course.kc[k].name}: {v['after']:.0%}" for k, v in changes.items())
-    text = await complete(
-        runtime.context.llm,
+    text = await routing.complete(
+        tier,
         prompts.engage_messages(turn.course, turn.history, progress or "just started"),
         max_tokens=40,
         temperature=0.5,
         session_id=turn.session_id,
+        priority=turn.priority,
     )
     # One sentence, or the template: a rambling model is not encouraging.
     first = re.split(r"(?<=[.!])\s", text.strip(), maxsplit=1)[0]

@@ -1,7 +1,9 @@
 """explain: the reply for this rung of the Socratic ladder, streamed to the student through the
 answer-leak guard. The verdict ("Correct!", "Not quite.") comes from code first, so even a
 confused model cannot get it wrong; a reply that leaks the answer twice, or is unfit, is replaced
-by the course's authored text for the rung."""
+by the course's authored text for the rung. With the reply cache on, the prompt is the
+pedagogical one (no learner words, no history), and its outcome — the checked reply, or "the
+authored text serves" — is cached for every learner on the same problem, rung and diagnosis."""
 
 from __future__ import annotations
 
@@ -12,8 +14,12 @@ import re
 from langgraph.runtime import Runtime
 
 from tutorserve.tutor import prompts
-from tutorserve.tutor.agents.agent import Agent, Update
+from tutorserve.tutor.agents.agent import Agent, Update, reply_key
+from tutorserve.tutor.costs import begin_call, logged_calls
 from tutorserve.tutor.ladder import MAX_LEVEL, AnswerLeak, RejectedReply, guarded
+from tutorserve.tutor.reply_cache import CachedReply
+from tutorserve.tutor.routing import AllTiersDown
+from tutorserve.tutor.tiers import Tier
 from tutorserve.tutor.turn import Diagnosis, Turn, TurnState, TutorContext
 
 log = logging.getLogger(__name__)
@@ -36,6 +42,23 @@ def authored(turn: Turn, d: Diagnosis) -> str:
     return p.hints[level - 1]
 
 
+def _pedagogy(turn: Turn, d: Diagnosis) -> tuple[str, str]:
+    """(cache label, what the prompt says of the mistake) without the learner's words: an
+    authored misconception by its index and text, a model diagnosis by its label only."""
+    if d["source"] == "authored":
+        found = [i for i, m in enumerate(turn.problem.misconceptions) if m.diagnosis == d["reason"]]
+        return f"misconception/{found[0] if found else '?'}", d["reason"]
+    return d["label"], d["label"] if d["source"] == "model" else ""
+
+
+def _unfit(reply: str, level: int) -> str | None:
+    """Why a reply is unfit whoever asked (the cacheable part of the checks)."""
+    why = prompts.unfit_reply(reply)
+    if why is None and level == 2 and "?" not in reply:
+        why = "it asks no question on the guiding-question rung"
+    return why
+
+
 def _whole_sentences(text: str) -> str:
     """`text` without a sentence the token limit cut off (the page shows the final reply)."""
     text = text.strip()
@@ -47,7 +70,8 @@ def _whole_sentences(text: str) -> str:
 
 async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
     turn, d, services = state["turn"], state["diagnosis"], runtime.context
-    level, said = d["level"], verdict(d)
+    level, said, routing = d["level"], verdict(d), services.routing
+    earlier = [r for _, r in turn.history]
     write = runtime.stream_writer
     shown: list[str] = []
 
@@ -60,15 +84,39 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
         write({"event": "reset"})
         emit(said)
 
+    wrong = d["kind"] == "answer" and not d["correct"]
+    tier = routing.tier(turn.situation(AGENT.name, level, wrong), turn.cap)
+    emit(said)
+    if tier is Tier.AUTHORED:  # the policy's choice, not a failure
+        emit(authored(turn, d))
+        return {"reply": "".join(shown)}
+    cache, key = routing.cache, None
+    label, mistake = _pedagogy(turn, d) if cache is not None else ("", d.get("reason", ""))
+    material = state.get("material", [])
+    if cache is not None:
+        # What was retrieved may follow the learner's words; the cacheable prompt keeps to the
+        # problem's own KCs.
+        material = [f"{turn.course.kc[k].name}: {turn.course.kc[k].explanation}"
+                    for k in turn.problem.kcs]  # fmt: skip
+        key = reply_key(AGENT.name, turn, level, label, routing.model_name(tier))
+        if (hit := cache.get(key)) is not None:
+            begin_call(tier, key.model, cached_reply=True, saved_tokens=hit.tokens)
+            if hit.text and prompts.unfit_reply(hit.text, earlier) is None:
+                emit(hit.text)
+                return {"reply": said + hit.text}
+            emit(authored(turn, d))
+            return {"reply": "".join(shown), "fallbacks": [AGENT.name]}
+
     async def generate() -> str:
         for strict in (False, True):
             messages = prompts.explain_messages(
                 turn.course, turn.problem, turn.message, turn.history, level,
-                d.get("reason", ""), state.get("material", []), strict,
+                mistake, material, strict, pedagogical=cache is not None,
             )  # fmt: skip
-            deltas = services.llm.stream(
-                messages, max_tokens=96, temperature=0.3, session_id=turn.session_id,
+            deltas = routing.stream(
+                tier, messages, max_tokens=96, temperature=0.3, session_id=turn.session_id,
                 scope=f"explain/{turn.course.id}/{turn.problem.id}/{level}",
+                priority=turn.priority,
             )  # fmt: skip
             # The answer is the point of a confirmation or a correction: no guard there.
             watched = None if level in (0, MAX_LEVEL) else turn.problem
@@ -79,21 +127,29 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
                 restart()
         raise AnswerLeak("the model gave the answer away twice")
 
-    emit(said)
+    def remember(text: str) -> None:
+        if key is not None and (calls := logged_calls()):
+            tokens = sum(c.tokens for c in calls)
+            cache.put(key.with_model(calls[-1].model), CachedReply(text, tokens))  # type: ignore[union-attr]
+
     try:
         deadline = services.timeouts[AGENT.name]
         reply = _whole_sentences(await asyncio.wait_for(generate(), deadline))
         if not reply:
             raise ValueError("the model returned an empty reply")
-        why = prompts.unfit_reply(reply, [r for _, r in turn.history])
-        if why is None and level == 2 and "?" not in reply:
-            why = "it asks no question on the guiding-question rung"
-        if why:
+        if why := _unfit(reply, level):
+            remember("")
+            raise RejectedReply(why)
+        remember(reply)
+        if why := prompts.unfit_reply(reply, earlier):  # this learner's history only
             raise RejectedReply(why)
         return {"reply": said + reply}
-    except RejectedReply as e:  # leaked twice, or unfit: the authored text for this rung
+    except AnswerLeak as e:  # leaked twice: so it would for anyone
         log.info("tutor reply rejected (%s); using the authored text", e)
-    except (TimeoutError, ValueError) as e:
+        remember("")
+    except RejectedReply as e:  # unfit: the authored text for this rung
+        log.info("tutor reply rejected (%s); using the authored text", e)
+    except (TimeoutError, ValueError, AllTiersDown) as e:
         log.warning("tutor explain fell back (%s: %s)", type(e).__name__, e)
         if "".join(shown) != said:  # keep what the student already saw rather than replace it
             return {"reply": "".join(shown), "fallbacks": [AGENT.name]}

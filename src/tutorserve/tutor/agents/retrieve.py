@@ -35,4 +35,6 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
     return {"material": await asyncio.to_thread(runtime.context.retriever, state["turn"])}
 
 
-AGENT = Agent("retrieve", timeout=2.0, run=run, fallback=lambda *_: {"material": []})
+AGENT = Agent(
+    "retrieve", timeout=2.0, run=run, fallback=lambda *_: {"material": []}, uses_model=False
+)

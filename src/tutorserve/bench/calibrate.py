@@ -1,0 +1,215 @@
+"""`tutorserve bench calibrate`: measure the engine's steps on this host over a spread of batch
+shapes and fit the step-cost model (`step_cost.py`) the simulator runs on.
+
+Episodes are random but seeded: a batch size, a prompt length, whether prompts share a prefix
+(so steps compute after cached tokens), how many tokens to decode, and whether requests arrive
+all at once or in waves (so prefill chunks mix with decodes, as under serving load). Every
+fourth episode is held out: the model's error is reported on steps it was not fitted on. With
+`parallel` > 1, that many engines calibrate at once in separate processes, as replicas sharing
+the host do (they contend for memory bandwidth, which one engine alone would not show).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from tutorserve.bench.step_cost import StepCostModel
+from tutorserve.config import EngineConfig
+from tutorserve.engine.scheduler import StepShape
+from tutorserve.lora.synth import synth_lora
+from tutorserve.models.loader import load_model_config
+from tutorserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+_BATCHES = (1, 2, 4, 8, 16, 32, 48)
+_PROMPTS = (32, 128, 512, 1024, 1800)
+_MAX_EPISODE_TOKENS = 4_000  # prompt tokens computed per episode (bounds its time)
+_SHARED_SHARE = 95  # percent of a prompt that the prompts of a shared-prefix episode share
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    batch: int
+    prompt: int
+    shared: bool
+    max_tokens: int
+    waves: int  # requests arrive in this many waves, 3 steps apart
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Episode:
+        prompt, shared = rng.choice(_PROMPTS), rng.random() < 0.5
+        # Prompts sharing a prefix (a course prompt) compute only their own part after the
+        # first: large batches over long contexts cost little to set up.
+        computed = prompt - prompt * _SHARED_SHARE // 100 if shared else prompt
+        batch = min(rng.choice(_BATCHES), max(1, _MAX_EPISODE_TOKENS // computed))
+        return cls(batch, prompt, shared, rng.randint(8, 32), rng.choice((1, 1, 2, 4)))
+
+
+@dataclass(slots=True)
+class Sample:
+    shape: StepShape
+    seconds: float
+    held_out: bool
+
+
+def _run_episode(engine: Any, ep: Episode, rng: random.Random, tag: str) -> None:
+    vocab = engine.model.config.vocab_size
+    shared = [rng.randrange(100, vocab - 100) for _ in range(ep.prompt * _SHARED_SHARE // 100)]
+    prompts = []
+    for _ in range(ep.batch):
+        own = [rng.randrange(100, vocab - 100) for _ in range(ep.prompt - len(shared))]
+        prompts.append(shared + own if ep.shared else own + shared)
+    params = SamplingParams(max_tokens=ep.max_tokens, ignore_eos=True)
+    # With adapters loaded, half the episodes spread their requests over 1, 2 or all of them.
+    names = engine.lora_names()
+    mix = rng.choice([0, 1, 2, len(names)]) if names and rng.random() < 0.5 else 0
+    per_wave = -(-ep.batch // ep.waves)
+    step = 0
+    while prompts or engine.has_unfinished():
+        if prompts and step % 3 == 0:
+            for ids in prompts[:per_wave]:
+                lora = names[len(prompts) % mix] if mix else None
+                engine.add_request(f"{tag}-{len(engine.seqs)}-{rng.random()}", ids, params,
+                                   lora=lora)  # fmt: skip
+            del prompts[:per_wave]
+        engine.step()
+        step += 1
+
+
+def _restore_probe(engine: Any, rng: random.Random, history: int = 1024) -> Sample:
+    """The step that admits a session's next turn with its history restored from the RAM tier
+    (the pool's prefix cache emptied in between, as eviction would): its time less the
+    model's prediction for what it computes is the copy."""
+    vocab = engine.model.config.vocab_size
+    ids = [rng.randrange(100, vocab - 100) for _ in range(history)]
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    tag = f"probe-{rng.random()}"
+    engine.add_request(f"{tag}-a", ids, params, session_id=tag)
+    while engine.has_unfinished():
+        engine.step()
+    engine.reset_prefix_cache()
+    engine.step_log = []
+    engine.add_request(f"{tag}-b", ids + ids[:16], params, session_id=tag)
+    while engine.has_unfinished():
+        engine.step()
+    step, engine.step_log = engine.step_log[0], None
+    return Sample(step.shape, step.step_s, held_out=True)
+
+
+def measure(
+    config: EngineConfig, episodes: int, seed: int, position: int = 0
+) -> tuple[list[Sample], list[Sample]]:
+    """Steps of `episodes` random episodes on one engine built from `config`, and the steps of
+    three restores from the RAM tier."""
+    from tutorserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    rng = random.Random(seed)
+    _run_episode(engine, Episode(4, 256, True, 8, 2), rng, "warmup")  # kernels built, caches hot
+    samples: list[Sample] = []
+    for i in tqdm(range(episodes), desc=f"calibrating (engine {position})", position=position):
+        ep = Episode.draw(rng)
+        engine.reset_prefix_cache()  # each episode's cached tokens are only its own
+        engine.step_log = []
+        _run_episode(engine, ep, rng, f"e{i}")
+        samples += [Sample(r.shape, r.step_s, i % 4 == 3) for r in engine.step_log]
+        engine.step_log = None
+    probes = [_restore_probe(engine, rng) for _ in range(3)]
+    engine.close()
+    return samples, probes
+
+
+def calibrate(
+    config: EngineConfig, episodes: int, seed: int, parallel: int, source: str, loras: int = 0
+) -> tuple[StepCostModel, list[Sample]]:
+    """With `loras` > 0, that many random rank-16 adapters are loaded, and episodes mix them."""
+    if episodes < 4 or parallel < 1 or loras < 0:
+        raise ValueError("need --episodes >= 4 (every fourth is held out), --parallel >= 1 "
+                         "and --loras >= 0")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="calibrate-loras-") as root:
+        if loras:
+            cfg = load_model_config(config.model)
+            adapters = {f"a{i}": str(synth_lora(Path(root) / f"a{i}", cfg, 16, seed=i))
+                        for i in range(loras)}  # fmt: skip
+            config = replace(config, lora_modules=adapters, enable_lora=True, max_loras=loras)
+        return _calibrate(config, episodes, seed, parallel, source)
+
+
+def _calibrate(
+    config: EngineConfig, episodes: int, seed: int, parallel: int, source: str
+) -> tuple[StepCostModel, list[Sample]]:
+    start = time.perf_counter()
+    if parallel == 1:
+        samples, probes = measure(config, episodes, seed)
+    else:
+        with ProcessPoolExecutor(parallel, mp_context=get_context("spawn")) as pool:
+            jobs = [pool.submit(measure, config, episodes, seed + k, k) for k in range(parallel)]
+            runs = [j.result() for j in jobs]
+        samples = [s for run in runs for s in run[0]]
+        probes = [p for run in runs for p in run[1]]
+    fit = [s for s in samples if not s.held_out]
+    test = [s for s in samples if s.held_out]
+    meta = {
+        "model": config.model,
+        "dtype": config.dtype,
+        "threads": config.num_threads,
+        "parallel_engines": parallel,
+        "loras": len(config.lora_modules),
+        "block_size": config.block_size,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "episodes": episodes,
+        "seed": seed,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    model = StepCostModel.fit([s.shape for s in fit], [s.seconds for s in fit],
+                              source=source, meta=meta)  # fmt: skip
+    model.error = model.held_out_error([s.shape for s in test], [s.seconds for s in test])
+    # Blocks restored: the probe's cached tokens (all from RAM: the pool was emptied).
+    model.restore_s_per_block = statistics.median(
+        max(0.0, p.seconds - model.step_seconds(p.shape))
+        / (p.shape.rows[0][1] // config.block_size)
+        for p in probes
+    )
+    return model, samples
+
+
+def plot(model: StepCostModel, samples: list[Sample], path: Path) -> None:
+    """Predicted against measured step time on the held-out steps, by kind of step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    kinds = {"decode only": [], "prefill only": [], "mixed": []}
+    for s in samples:
+        if not s.held_out:
+            continue
+        decodes = sum(n == 1 for n, _ in s.shape.rows)
+        kind = ("decode only" if decodes == len(s.shape.rows) else
+                "prefill only" if decodes == 0 else "mixed")  # fmt: skip
+        kinds[kind].append((s.seconds * 1000, model.step_seconds(s.shape) * 1000))
+    for kind, pts in kinds.items():
+        if pts:
+            ax.scatter(*zip(*pts, strict=True), s=8, alpha=0.6, label=kind)
+    lim = [min(min(p) for pts in kinds.values() for p in pts),
+           max(max(p) for pts in kinds.values() for p in pts)]  # fmt: skip
+    ax.plot(lim, lim, "k--", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="measured step (ms)", ylabel="predicted step (ms)",
+           title=f"held-out steps: mean error {model.error['mean_rel_error']:.0%}")  # fmt: skip
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

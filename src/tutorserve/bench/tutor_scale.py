@@ -1,0 +1,264 @@
+"""Tutoring at district scale: 4 → 64 simulated students per course, each scale feature on and off
+(the reply cache, learner-state tiering, circuit breakers), with modelled model endpoints.
+
+The agents, prompts, ladder, guard, cache and routing are the real ones; only the model is a
+stand-in (`ModelledLLM`): it counts prompt tokens with the real SmolLM2 tokenizer over the real
+prompts, writes a fixed, clean reply of a fixed length per agent, and takes a modelled time
+(first-token latency + prefill of the prompt beyond the course prefix + per-token decode, queued
+behind a fixed batch width). So token counts are what the tutor would send; latencies are those
+of the stated model, not of a measured engine. Students answer each problem as in
+`bench tutor`: an authored misconception, another wrong value, then the right answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Any
+
+from tutorserve.bench.tutor_turns import _answers
+from tutorserve.config import EngineConfig
+from tutorserve.engine.async_engine import AsyncEngine
+from tutorserve.engine.engine import LLMEngine
+from tutorserve.models.loader import load_tokenizer
+from tutorserve.tutor.breaker import BreakerConfig
+from tutorserve.tutor.costs import report_usage
+from tutorserve.tutor.courses import Course, load_courses
+from tutorserve.tutor.llm_client import ChatLLM, EngineLLM, Messages
+from tutorserve.tutor.prompts import system_prompt
+from tutorserve.tutor.reply_cache import ReplyCache
+from tutorserve.tutor.routing import Routing
+from tutorserve.tutor.service import TutorService
+from tutorserve.tutor.store import TutorStore
+from tutorserve.tutor.tiers import LearnerState, Tier, Uniform
+
+log = logging.getLogger(__name__)
+# Reply lengths in tokens per agent: about what SmolLM2 wrote in `bench tutor` (explain is capped
+# at 96, diagnose's JSON at 64, engage at 40).
+REPLY_TOKENS = {"diagnose": 24, "explain": 60, "engage": 24}
+REPLIES = {
+    "diagnose": '{"label": "careless", "reason": "An arithmetic slip in the last step."}',
+    "explain": "Look again at how the two parts fit together, step by step. What comes first?",
+    "engage": "You are getting steadier at this with every attempt.",
+}
+# Per-node timeouts well above a healthy call's modelled latency (queueing included), so only a
+# hanging endpoint runs into them.
+TIMEOUTS = {"diagnose": 8.0, "explain": 15.0, "engage": 8.0}
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A modelled model server: seconds to first token, per uncached prompt token, per
+    generated token; `batch` requests at once (others queue); `hangs`: no call ever answers
+    (a wedged backend whose connections stay open)."""
+
+    name: str
+    ttft_s: float
+    prefill_s: float
+    decode_s: float
+    batch: int = 32
+    hangs: bool = False
+
+
+# Decode speeds from ../shared/notes/models.md (llama.cpp, batch 1, this machine type): SmolLM2
+# 110–119 tok/s, Qwen2.5-0.5B 44–45 tok/s; prefill taken as 20× decode throughput.
+SMALL = Endpoint("smollm2-135m", ttft_s=0.05, prefill_s=1 / 2300, decode_s=1 / 115)
+LARGE = Endpoint("qwen2.5-0.5b", ttft_s=0.08, prefill_s=1 / 900, decode_s=1 / 45)
+
+
+def _agent(messages: Messages) -> str:
+    task = messages[-1]["content"]
+    if "Classify the student's mistake" in task:
+        return "diagnose"
+    return "engage" if "encouragement" in task else "explain"
+
+
+class ModelledLLM:
+    def __init__(self, spec: Endpoint, tokens: Any, prefixes: dict[str, int]) -> None:
+        self.spec, self.name, self.tokens = spec, spec.name, tokens
+        self.prefixes = prefixes  # course system prompt → its tokens (the prefix cache's share)
+        self.slots = asyncio.Semaphore(spec.batch)
+        self.seen: set[str] = set()
+
+    async def stream(self, messages: Messages, *, max_tokens: int, **_: Any) -> AsyncIterator[str]:
+        spec = self.spec
+        async with self.slots:
+            if spec.hangs:
+                await asyncio.Event().wait()
+            prompt = self.tokens(tuple((m["role"], m["content"]) for m in messages))
+            system = messages[0]["content"]
+            cached = self.prefixes[system] if system in self.seen else 0
+            self.seen.add(system)
+            agent = _agent(messages)
+            n = min(max_tokens, REPLY_TOKENS[agent])
+            await asyncio.sleep(spec.ttft_s + (prompt - cached) * spec.prefill_s)
+            words = REPLIES[agent].split(" ")
+            for i, w in enumerate(words):
+                yield w if i == len(words) - 1 else w + " "
+            await asyncio.sleep(n * spec.decode_s)
+            report_usage(prompt, cached, n)
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    cache: bool = False
+    tiering: bool = False
+    breaker: bool = True
+    large_hangs: bool = False
+
+    @property
+    def label(self) -> str:
+        on = [n for n in ("cache", "tiering") if getattr(self, n)]
+        base = " + ".join(on) if on else "baseline (one large model, no cache)"
+        if self.large_hangs:
+            base += ", large model hanging, " + ("breaker" if self.breaker else "no breaker")
+        return base
+
+
+@dataclass(slots=True)
+class Result:
+    features: Features
+    students: int
+    turns: int = 0
+    solved: int = 0
+    ladder: list[tuple[str, int, int]] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+    steady_ms: list[float] = field(default_factory=list)  # each student's turns after problem 1
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    model_seconds: float = 0.0
+    cache_hits: int = 0
+    cache_lookups: int = 0
+    by_tier: dict[str, int] = field(default_factory=dict)
+    breaker_opened: int = 0  # times any endpoint's breaker opened
+    model_replies: int = 0  # turns whose reply text a model wrote (fresh or from the cache)
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.generated_tokens
+
+    def p(self, q: float, steady: bool = False) -> float:
+        v = sorted(self.steady_ms if steady else self.latency_ms)
+        return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+
+
+async def _student(service: TutorService, course: Course, i: int, problems: int, r: Result):
+    s = await service.start_session(f"{course.id}-{i}", course.id, school=f"school-{i % 4}")
+    pid = s["problem"]["id"]
+    for n in range(problems):
+        for message in _answers(course.problem[pid]):
+            events = [e async for e in await service.start_turn(s["id"], message)]
+            (final,) = [e for e in events if e["event"] == "final"]
+            r.turns += 1
+            r.solved += final["diagnosis"]["correct"]
+            written = final["tiers"].get("explain") in ("small", "large", "cache")
+            r.model_replies += written and "explain" not in final["fallbacks"]
+            r.ladder.append((f"{course.id}/{i}/{pid}", r.turns, final["ladder_level"]))
+            r.latency_ms.append(final["timing"]["critical_path_ms"])
+            if n:
+                r.steady_ms.append(final["timing"]["critical_path_ms"])
+        if final["next_problem"] is None:
+            break
+        pid = final["next_problem"]["id"]
+
+
+async def run_config(
+    features: Features, students: int, problems: int, tokens: Any, engine: ChatLLM | None = None
+) -> Result:
+    """`engine`: a real model for both tiers instead of the modelled endpoints."""
+    courses = load_courses()
+    prefixes = {system_prompt(c): tokens((("system", system_prompt(c)),)) for c in courses.values()}
+    small: ChatLLM = engine or ModelledLLM(SMALL, tokens, prefixes)
+    large: ChatLLM = engine or ModelledLLM(
+        replace(LARGE, hangs=features.large_hangs), tokens, prefixes
+    )
+    # A real CPU engine keeps the tutor's own timeouts and breaker settings. Without a
+    # breaker: it never opens, and a call waits as long as its agent's timeout.
+    timeouts = None if engine else TIMEOUTS
+    if engine:
+        breaker = BreakerConfig()
+    elif features.breaker:
+        breaker = BreakerConfig(slow_s=5.0)
+    else:
+        breaker = BreakerConfig(min_calls=10**9, slow_s=max(TIMEOUTS.values()))
+    routing = Routing(
+        {Tier.SMALL: small if features.tiering else large, Tier.LARGE: large},
+        LearnerState() if features.tiering else Uniform(),
+        breaker,
+        ReplyCache() if features.cache else None,
+    )
+    r = Result(features, students)
+    with tempfile.TemporaryDirectory() as d:
+        store = TutorStore(f"sqlite:///{d}/bench.db")
+        service = TutorService(courses, store, routing, timeouts=timeouts)
+        await asyncio.gather(*(_student(service, c, i, problems, r)
+                               for c in courses.values() for i in range(students)))  # fmt: skip
+        await service.close()
+        spent = service.usage.totals("tier")
+        r.prompt_tokens = sum(t.prompt_tokens for t in spent)
+        r.generated_tokens = sum(t.generated_tokens for t in spent)
+        r.model_seconds = sum(t.seconds for t in spent)
+        r.by_tier = {t.key: t.tokens for t in spent if t.tokens}
+    r.breaker_opened = sum(b["times_opened"] for b in routing.health().values())
+    if routing.cache is not None:
+        stats = routing.cache.stats()
+        r.cache_hits = sum(stats["hits"].values())
+        r.cache_lookups = r.cache_hits + sum(stats["misses"].values())
+    r.ladder.sort()
+    return r
+
+
+@lru_cache(maxsize=1)
+def _tokenizer() -> Any:
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+def counter() -> Any:
+    tok = _tokenizer()
+
+    @lru_cache(maxsize=65536)
+    def count(messages: tuple[tuple[str, str], ...]) -> int:
+        return len(tok.encode_chat([{"role": r, "content": c} for r, c in messages]))
+
+    return count
+
+
+ENGINE_CONFIGS = (Features(), Features(cache=True, tiering=True))
+CONFIGS = (
+    Features(),
+    Features(cache=True),
+    Features(tiering=True),
+    Features(cache=True, tiering=True),
+    Features(cache=True, tiering=True, large_hangs=True, breaker=False),
+    Features(cache=True, tiering=True, large_hangs=True),
+)
+
+
+def run_scale_bench(students: list[int], problems: int) -> list[Result]:
+    tokens = counter()
+    results = []
+    for n in students:
+        for features in CONFIGS:
+            log.info("tutor scale: %d students per course, %s", n, features.label)
+            results.append(asyncio.run(run_config(features, n, problems, tokens)))
+    return results
+
+
+async def _on_engine(model: str, students: int, problems: int) -> list[Result]:
+    server = AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(model=model)))
+    await server.start()
+    try:
+        llm = EngineLLM(server, model)
+        return [await run_config(f, students, problems, counter(), llm) for f in ENGINE_CONFIGS]
+    finally:
+        await server.stop()
+
+
+def run_engine_bench(model: str, students: int, problems: int) -> list[Result]:
+    """Baseline against cache + tiering on the real engine (one model serves both tiers, so
+    tiering here only moves calls to authored text)."""
+    return asyncio.run(_on_engine(model, students, problems))

@@ -1,0 +1,140 @@
+"""Predicted against measured: replay each measured serving run (`bench compare` JSON: its
+workload, seed, rate, SLOs and the server's own command line) in the simulator."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tutorserve.bench.serving_metrics import SLO, RequestRecord
+from tutorserve.bench.step_cost import StepCostModel
+from tutorserve.models.config import ModelConfig
+from tutorserve.models.tokenizer import Tokenizer
+from tutorserve.sim.setup import Deployment, relative_error
+from tutorserve.sim.simulator import SimResult
+from tutorserve.sim.workload import serving_sessions
+
+log = logging.getLogger(__name__)
+METRICS = ("goodput", "p50_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "prefix_hit")
+
+
+def _measured(summary: dict[str, float]) -> dict[str, float]:
+    return {**summary, "prefix_hit": summary.get("server_prefix_cache_hit_rate", float("nan"))}
+
+
+def _simulate(
+    run: dict[str, Any], cost: StepCostModel, cfg: ModelConfig, tok: Tokenizer
+) -> tuple[Deployment, SimResult]:
+    c = run["config"]
+    deployment = Deployment.from_argv(c["argv"], cfg)
+    sessions = serving_sessions(tok, c["workload"], c["num_requests"], float(c["request_rate"]),
+                                burstiness=c["burstiness"], arrival=c["arrival"],
+                                seed=c["seed"])  # fmt: skip
+    return deployment, deployment.simulation(cost, tok.vocab_size).run(sessions)
+
+
+def replay(path: Path, cost: StepCostModel, cfg: ModelConfig, tok: Tokenizer) -> dict[str, Any]:
+    run = json.loads(path.read_text())
+    c = run["config"]
+    deployment, result = _simulate(run, cost, cfg, tok)
+    predicted = result.summary(SLO(c["slo_ttft_ms"], c["slo_tpot_ms"]))
+    predicted["prefix_hit"] = predicted["prefix_cache_hit_rate"]
+    measured = _measured(run["summary"])
+    return {
+        "file": str(path),
+        "system": c["system"],
+        "workload": c["workload"],
+        "rate": float(c["request_rate"]),
+        "deployment": deployment.label(),
+        "pairs": {m: (predicted.get(m), measured.get(m)) for m in METRICS},
+        "predicted": predicted,
+    }
+
+
+def _request_pairs(
+    paths: list[Path], cost: StepCostModel, cfg: ModelConfig, tok: Tokenizer
+) -> list[tuple[RequestRecord, RequestRecord]]:
+    """(measured, simulated) per request of every run, matched by session and turn."""
+    out = []
+    for path in paths:
+        run = json.loads(path.read_text())
+        sim = {(r.session, r.turn): r for r in _simulate(run, cost, cfg, tok)[1].records()}
+        for raw in run["records"]:
+            real = RequestRecord(**raw)
+            twin = sim.get((real.session, real.turn))
+            if real.ok and twin is not None and twin.ok:
+                out.append((real, twin))
+    return out
+
+
+def fit_serving(
+    paths: list[Path], cost: StepCostModel, cfg: ModelConfig, tok: Tokenizer
+) -> StepCostModel:
+    """`cost` with the serving path's additions fitted on measured runs: the step-time factor is
+    the median ratio of measured to simulated TPOT, request by request; then, with it, the
+    overhead is the median of measured less simulated TTFT. Medians, so that a few requests
+    caught in a queue (where the two disagree most) do not decide."""
+    if not paths:
+        raise ValueError("give at least one measured run to fit the serving overheads on")
+    model = replace(cost, request_overhead_s=0.0, serving_step_factor=1.0)
+    pairs = _request_pairs(paths, model, cfg, tok)
+    ratios = [real.tpot / sim.tpot for real, sim in pairs if real.tpot and sim.tpot]
+    if not ratios:
+        raise ValueError("no request in these runs has a TPOT to fit on")
+    model = replace(model, serving_step_factor=statistics.median(ratios))
+    pairs = _request_pairs(paths, model, cfg, tok)
+    model.request_overhead_s = max(0.0, statistics.median(r.ttft - s.ttft for r, s in pairs))
+    model.meta = {**model.meta, "serving_fit_runs": [p.name for p in paths]}
+    return model
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| run (measured JSON) | req/s | "
+        + " | ".join(f"{m} sim / real (err)" for m in METRICS)
+        + " |"
+    )
+    lines = [head, "|" + "---|" * (2 + len(METRICS))]
+    for r in rows:
+        cells = []
+        for m in METRICS:
+            p, q = r["pairs"][m]
+            fmt = "{:.0%}" if m == "prefix_hit" else "{:.3g}"
+            cells.append(f"{fmt.format(p)} / {fmt.format(q)} ({relative_error(p, q):+.0%})")
+        run = Path(r["file"]).stem
+        lines.append(f"| {run} | {r['rate']:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def within(rows: list[dict[str, Any]], tolerance: float, metrics: tuple[str, ...]) -> str:
+    """How many pairs of `metrics` lie within `tolerance`."""
+    errs = [abs(relative_error(*r["pairs"][m])) for r in rows for m in metrics]
+    ok = sum(e <= tolerance for e in errs)
+    return f"{ok} of {len(errs)} pairs of {', '.join(metrics)} within {tolerance:.0%}"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = ("goodput", "p50_ttft_ms", "p90_ttft_ms")
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 4))
+    for ax, m in zip(axes, shown, strict=True):
+        for r in rows:
+            p, q = r["pairs"][m]
+            ax.scatter(q, p, label=f"{r['system']} {r['workload']} @{r['rate']:g}", s=18)
+        values = [v for r in rows for v in r["pairs"][m] if v == v and v is not None]
+        lo, hi = min(values), max(values)
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+        ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], alpha=0.15)
+        ax.set(xlabel=f"measured {m}", ylabel=f"simulated {m}", title=m)
+    axes[-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,143 @@
+"""Which model answers an agent call: the tiering policy picks a tier from the learner's state,
+a quota may cap it, and each model endpoint's circuit breaker may push the call down a tier
+(large → small → authored) at once. The reply cache sits beside it: a call whose reply is
+already known costs no model at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from tutorserve.tutor.breaker import BreakerConfig, CircuitBreaker
+from tutorserve.tutor.costs import begin_call
+from tutorserve.tutor.llm_client import ChatLLM, Messages
+from tutorserve.tutor.reply_cache import ReplyCache
+from tutorserve.tutor.tiers import Situation, Tier, TieringPolicy, Uniform
+
+log = logging.getLogger(__name__)
+
+
+class AllTiersDown(RuntimeError):
+    """No model tier can take the call now: the agent serves its authored text."""
+
+
+def endpoint_failed(e: BaseException) -> bool:
+    """Whether an error says the endpoint is unwell (down, late, 5xx), not that this request was
+    bad (a prompt too long, a 4xx): only the former counts against its breaker."""
+    if isinstance(e, ValueError):
+        return False
+    return getattr(e, "status_code", 500) >= 500
+
+
+class Routing:
+    """`models`: the chat model of each model tier; a tier left out is served by the other's
+    model. A breaker per distinct model, so a failing large model does not close the small
+    one."""
+
+    def __init__(
+        self,
+        models: Mapping[Tier, ChatLLM],
+        policy: TieringPolicy | None = None,
+        breaker: BreakerConfig | None = None,
+        cache: ReplyCache | None = None,
+    ) -> None:
+        if not models or Tier.AUTHORED in models:
+            raise ValueError("routing needs a model for the small or the large tier")
+        self.models = dict(models)
+        for tier, other in ((Tier.SMALL, Tier.LARGE), (Tier.LARGE, Tier.SMALL)):
+            self.models.setdefault(tier, self.models.get(other))  # type: ignore[arg-type]
+        self.policy = policy or Uniform()
+        self.cache = cache
+        self.breaker_config = breaker = breaker or BreakerConfig()
+        self.breakers = {id(m): CircuitBreaker(breaker) for m in self.models.values()}
+
+    @classmethod
+    def single(cls, llm: ChatLLM, **kw: Any) -> Routing:
+        """One model for every tier: the tutor before tiering."""
+        return cls({Tier.LARGE: llm}, **kw)
+
+    def tier(self, s: Situation, cap: Tier = Tier.LARGE) -> Tier:
+        """The policy's tier for `s`, no higher than `cap` (a tenant over quota is degraded)."""
+        return min(self.policy.tier(s), cap)
+
+    def serving(self, wanted: Tier, skip: frozenset[int] = frozenset()) -> tuple[Tier, ChatLLM]:
+        """The tier and model that answer a call wanted at `wanted`: the first one down whose
+        breaker lets calls through; AllTiersDown when none does."""
+        tier = wanted
+        while tier > Tier.AUTHORED:
+            llm = self.models.get(tier)
+            if llm is not None and id(llm) not in skip and self.breakers[id(llm)].allow():
+                return tier, llm
+            tier = tier.down()
+        raise AllTiersDown(f"no model tier at or below {wanted.label} is available")
+
+    def model_name(self, wanted: Tier) -> str:
+        """The model a call at `wanted` would go to now (for a reply-cache lookup), or the
+        wanted tier's own when every breaker is open: a cached reply serves even then."""
+        tier = wanted
+        while tier > Tier.AUTHORED:
+            llm = self.models.get(tier)
+            if llm is not None and self.breakers[id(llm)].available():
+                return llm.name
+            tier = tier.down()
+        return (self.models.get(wanted) or next(iter(self.models.values()))).name
+
+    async def complete(self, wanted: Tier, messages: Messages, **kw: Any) -> str:
+        return "".join([d async for d in self.stream(wanted, messages, **kw)])
+
+    async def stream(self, wanted: Tier, messages: Messages, **kw: Any) -> AsyncIterator[str]:
+        """The reply's deltas from the first tier that answers. A model that fails, or sends no
+        first token within the breaker's `slow_s`, is counted against its breaker and the next
+        tier down is asked, within the same call; once text has flowed, a failure is the
+        caller's (the student has seen it)."""
+        tried: set[int] = set()
+        while True:
+            tier, llm = self.serving(wanted, frozenset(tried))
+            tried.add(id(llm))
+            breaker = self.breakers[id(llm)]
+            call = begin_call(tier, llm.name)
+            start = time.monotonic()
+            deltas = llm.stream(messages, **kw)
+            try:
+                try:
+                    first = await asyncio.wait_for(anext(deltas), self.breaker_config.slow_s)
+                except StopAsyncIteration:
+                    first = ""
+                except Exception as e:  # TimeoutError included: this model is late or down
+                    if not endpoint_failed(e):
+                        raise
+                    log.warning("tutor model %s failed (%s); trying a tier down", llm.name, e)
+                    breaker.record(failed=True)
+                    wanted = tier.down()
+                    continue
+                if first:
+                    yield first
+                async for delta in deltas:
+                    yield delta
+                breaker.record(failed=False)
+                return
+            except GeneratorExit:
+                breaker.record(failed=False)  # the caller stopped reading: the model answered
+                raise
+            except Exception as e:
+                # A request error (a 4xx, a prompt too long) counts as the endpoint answering.
+                breaker.record(failed=endpoint_failed(e))
+                raise
+            finally:
+                if call is not None:
+                    call.seconds = time.monotonic() - start
+                await deltas.aclose()  # type: ignore[attr-defined]
+
+    def health(self) -> dict[str, Any]:
+        """Each model endpoint's breaker, for /health."""
+        out: dict[str, Any] = {}
+        for tier in (Tier.LARGE, Tier.SMALL):
+            llm = self.models.get(tier)
+            if llm is not None:
+                entry = out.setdefault(llm.name, {"tiers": [], **self.breakers[id(llm)].snapshot()})
+                entry["tiers"].append(tier.label)
+        return out

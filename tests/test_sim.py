@@ -1,0 +1,272 @@
+"""The simulator's pieces against hand-computed cases, the step-cost fit against known
+coefficients, and the planner's KV formula against the engine's own block accounting."""
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from tutorserve.bench.serving_metrics import SLO
+from tutorserve.bench.step_cost import FEATURES, StepCostModel, features, fit_nonnegative
+from tutorserve.cli import main
+from tutorserve.cluster.routing import policy_named
+from tutorserve.config import EngineConfig
+from tutorserve.engine.engine import LLMEngine
+from tutorserve.engine.scheduler import StepShape
+from tutorserve.models.loader import load_model_config
+from tutorserve.sim.planner import POLICIES, Planner, kv_wall
+from tutorserve.sim.replica import ReplicaSpec, SimReplica
+from tutorserve.sim.setup import Deployment
+from tutorserve.sim.simulator import SimSession, SimTurn, Simulation
+from tutorserve.sim.workload import Cohort
+
+CONST, PER_TOKEN = 0.010, 0.001  # seconds: a step costs 10 ms plus 1 ms per token
+
+
+def _cost(**coef: float) -> StepCostModel:
+    values = {"const": CONST, "tokens": PER_TOKEN} | coef
+    return StepCostModel([values.get(f, 0.0) for f in FEATURES], True, "test")
+
+
+def _sim(n=1, blocks=64, routing="round-robin", **spec) -> Simulation:
+    spec = ReplicaSpec(num_kv_blocks=blocks, **spec)
+    return Simulation([SimReplica(f"r{i}", spec, _cost(), 1000) for i in range(n)],
+                      policy_named(routing))  # fmt: skip
+
+
+def _one_turn(tokens, max_tokens, start, course=0):
+    return SimSession([SimTurn(tokens, max_tokens)], start, course)
+
+
+def test_one_request_alone():
+    # 100-token prompt in one step (0.010 + 0.100 s), then 4 decode steps of 0.011 s.
+    (req,) = _sim().run([_one_turn(list(range(100)), 5, 2.0)]).requests
+    assert req.first_token == pytest.approx(2.0 + 0.110)
+    assert req.finish == pytest.approx(2.0 + 0.110 + 4 * 0.011)
+
+
+def test_one_request_chunked_prefill():
+    # A 64-token budget: the prompt takes chunks of 64 and 36 tokens (0.074 + 0.046 s).
+    (req,) = _sim(max_num_batched_tokens=64).run([_one_turn(list(range(100)), 1, 0.0)]).requests
+    assert req.first_token == pytest.approx(0.074 + 0.046)
+    assert req.finish == req.first_token
+
+
+def test_two_requests_sharing_a_prefix():
+    shared = list(range(64))  # 4 full blocks
+    sim = _sim()
+    a, b = sim.run([
+        _one_turn([*shared, *range(500, 516)], 2, 0.0),
+        _one_turn([*shared, *range(600, 616)], 2, 1.0),
+    ]).requests  # fmt: skip
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 64
+    # b computes only its own 16 tokens: 0.010 + 0.016 s to its first token.
+    assert b.first_token - b.arrival == pytest.approx(0.026)
+    kv = sim.replicas[0].kv
+    assert kv.prefix_hit_tokens / kv.prefix_query_tokens == pytest.approx(64 / 160)
+
+
+def test_arrivals_during_a_prefill_wait_for_its_prefix():
+    # Both arrive at once: the second waits a step for the first's prompt (cache-aware
+    # admission, as the engine does) and then hits it instead of computing it twice.
+    shared = list(range(64))
+    a, b = _sim().run([
+        _one_turn([*shared, 900], 2, 0.0),
+        _one_turn([*shared, 901], 2, 0.0),
+    ]).requests  # fmt: skip
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 64)
+
+
+def test_a_preemption_recomputes_and_loses_nothing():
+    # 10 blocks of 16 tokens; two 64-token prompts decoding 40 tokens need 7 blocks each.
+    sim = _sim(blocks=10)
+    a, b = sim.run([
+        _one_turn(list(range(64)), 40, 0.0),
+        _one_turn(list(range(100, 164)), 40, 0.0),
+    ]).requests  # fmt: skip
+    assert sim.replicas[0].scheduler.num_preemptions >= 1
+    assert (a.num_preemptions, b.num_preemptions) == (0, 1)  # the later arrival is the victim
+    assert a.finish < b.finish and len(b.output) == 40
+    pool = sim.replicas[0].kv.pool
+    assert pool.num_free == pool.num_blocks  # every block back
+
+
+def test_session_turns_follow_think_time_and_hit_their_history():
+    turns = [SimTurn(list(range(40)), 8), SimTurn([7, 8, 9], 4, think_time_s=5.0)]
+    first, second = _sim().run([SimSession(turns, 0.0)]).requests
+    assert second.arrival == pytest.approx(first.finish + 5.0)
+    assert second.prompt == first.prompt + first.output + [7, 8, 9]
+    # 48 tokens, but the last reply token's KV is never computed: 47 → 2 full blocks.
+    assert second.num_cached_tokens == 32
+
+
+@pytest.mark.parametrize("routing", ["round-robin", "cache-aware"])
+def test_routing_policies_place_courses(routing):
+    courses = [[c * 1000 + i for i in range(64)] for c in range(2)]
+    sessions = [_one_turn([*courses[i % 2], 5000 + i], 2, i * 1.0, i % 2) for i in range(6)]
+    sim = _sim(n=2, routing=routing)
+    sim.run(sessions)
+    hits = sum(r.kv.prefix_hit_tokens for r in sim.replicas)
+    # Cache-aware keeps each course on one replica: every student after a course's first hits;
+    # round-robin alternates, so course 0 always lands on r0 and course 1 on r1 as well here.
+    assert hits == 4 * 64
+
+
+def test_round_robin_splits_a_course_that_cache_aware_keeps():
+    course = list(range(64))
+    sessions = [_one_turn([*course, 5000 + i], 2, i * 1.0) for i in range(4)]
+    hits = {}
+    for routing in ("round-robin", "cache-aware"):
+        sim = _sim(n=2, routing=routing)
+        sim.run(sessions)
+        hits[routing] = sum(r.kv.prefix_hit_tokens for r in sim.replicas)
+    assert hits == {"round-robin": 2 * 64, "cache-aware": 3 * 64}
+
+
+def test_ram_tier_brings_back_an_evicted_history_for_its_copy_time():
+    # A 6-block pool: the second session's prompt evicts the first's history, which the next
+    # turn of the first finds in the RAM tier (4 blocks restored at 5 ms each, in its step).
+    cost = _cost()
+    cost.restore_s_per_block = 0.005
+    spec = ReplicaSpec(num_kv_blocks=6, ram_tier_blocks=64)
+    sim = Simulation([SimReplica("r0", spec, cost, 1000)], policy_named("round-robin"))
+    first = SimSession([SimTurn(list(range(70)), 2), SimTurn([1, 2], 2, think_time_s=10.0)], 0.0)
+    other = SimSession([SimTurn(list(range(500, 580)), 2)], 1.0)
+    _, _, turn2 = sorted(sim.run([first, other]).requests, key=lambda r: r.arrival)
+    assert turn2.num_cached_tokens == 64
+    # Its prompt is 70 + 2 reply + 2 new tokens: its step computes 74 − 64 = 10, copies 4 blocks.
+    assert turn2.first_token - turn2.arrival == pytest.approx(0.010 + 0.010 + 4 * 0.005)
+    assert sim.replicas[0].tier.hits == 4
+
+
+def test_prefill_decode_split_hands_the_kv_over():
+    # P prefills 100 tokens (0.110 s) and samples the first token; the KV (100 tokens at 1 ms
+    # each) reaches D at 0.210, which restores its 6 full blocks (2 ms each), computes the other
+    # 101 − 96 = 5 tokens (0.015 s) and samples; 3 decode steps of 0.011 s finish the reply.
+    cost = _cost()
+    cost.restore_s_per_block = 0.002
+    d = Deployment(2, "round-robin", ReplicaSpec(num_kv_blocks=64), prefill=1,
+                   transfer_s_per_token=0.001)  # fmt: skip
+    sim = d.simulation(cost, 1000)
+    (req,) = sim.run([_one_turn(list(range(100)), 5, 0.0)]).requests
+    assert req.first_token == pytest.approx(0.110)
+    assert req.finish == pytest.approx(0.210 + 0.015 + 6 * 0.002 + 3 * 0.011)
+    assert len(req.output) == 5
+    prefill, decode = sim.replicas[0], sim.decode[0]
+    assert prefill.num_steps == 1 and decode.num_steps == 4
+    assert decode.tier.hits == 6
+
+
+def test_summary_matches_the_benchmark_definitions():
+    result = _sim().run([_one_turn(list(range(100)), 5, 0.0)])
+    s = result.summary(SLO(ttft_ms=200, tpot_ms=10))
+    assert s["p50_ttft_ms"] == pytest.approx(110)
+    assert s["mean_tpot_ms"] == pytest.approx(11)
+    assert s["goodput"] == 0  # TPOT 11 ms misses a 10 ms SLO
+    assert s["completed"] == 1 and s["rejected"] == 0
+
+
+def test_a_prompt_beyond_the_pool_is_rejected_not_simulated():
+    result = _sim(blocks=4).run([_one_turn(list(range(100)), 5, 0.0)])
+    assert result.rejected == 1 and not result.requests
+
+
+def test_step_cost_fit_recovers_known_coefficients():
+    rng = random.Random(0)
+    truth = np.array([0.02, 5e-4, 1e-3, 2e-6, 3e-8, 0.0, 0.0])
+    shapes = [
+        StepShape(tuple((rng.choice([1, 1, rng.randint(2, 300)]), rng.randint(0, 2000))
+                        for _ in range(rng.randint(1, 40))))
+        for _ in range(300)
+    ]  # fmt: skip
+    y = np.array([truth @ features(s) for s in shapes])
+    assert fit_nonnegative(np.array([features(s) for s in shapes]), y) == pytest.approx(truth)
+
+
+def test_step_cost_fit_keeps_coefficients_nonnegative():
+    x = np.array([[1.0, t] for t in range(1, 20)])
+    y = 0.05 - 0.001 * x[:, 1]  # falls with tokens: a negative slope would fit best
+    assert (fit_nonnegative(x, y) >= 0).all()
+
+
+def test_features_by_hand():
+    shape = StepShape(((1, 99), (1, 9), (10, 20)), num_adapters=1, lora_tokens=10)
+    assert features(shape) == [1.0, 12, 3, 100 + 10, 10 * (20 + 5), 1, 10]
+
+
+def test_kv_wall_matches_the_engine_block_accounting(synth_llama):
+    budget = 3 << 20
+    engine = LLMEngine(EngineConfig(model=synth_llama, dtype="float32", kv_cache_bytes=budget,
+                                    kv_ram_bytes=0))  # fmt: skip
+    cfg = load_model_config(synth_llama)
+    wall = kv_wall(cfg, budget, "float32", Cohort())
+    blocks = engine.kv.pool.num_blocks
+    assert wall["kv_tokens"] // 16 == blocks
+    assert Deployment.of(cfg, "float32", budget / (1 << 30)).spec.num_kv_blocks == blocks
+
+
+def test_planner_capacity_grows_with_prefix_caching():
+    cohort = Cohort(courses=2, course_prompt_tokens=256, turns=2, message_tokens=(8, 16),
+                    reply_tokens=(4, 8), think_time_s=(2.0, 4.0))  # fmt: skip
+    d = Deployment(1, "round-robin", ReplicaSpec(num_kv_blocks=256, max_num_seqs=16))
+    cost = _cost(tokens=2e-4)
+    planner = Planner(cost, d, cohort, 1000, SLO(ttft_ms=150, tpot_ms=50))
+    no_cache, cache = (planner.capacity(p)[0] for p in POLICIES[:2])
+    assert cache > no_cache > 0
+    plans = planner.plan([10, 1000], 0.5, price_per_hour=2.0, policies=POLICIES[:1])
+    for p, students in zip(plans, [10, 1000], strict=True):
+        assert p.demand_turns_per_s == pytest.approx(students * 0.5 / 3.0)  # a message per 3 s
+        assert p.replicas == math.ceil(p.demand_turns_per_s / p.turns_per_s_per_replica)
+    assert plans[0].cost_per_1000_turns == pytest.approx(
+        2.0 * plans[0].replicas / (plans[0].demand_turns_per_s * 3.6)
+    )
+
+
+def test_validate_refuses_a_run_with_kv_tiers(tmp_path, synth_llama):
+    cfg = load_model_config(synth_llama)
+    with pytest.raises(ValueError, match="tiers"):
+        Deployment.from_argv(["serve", "--kv-cache-gb", "1"], cfg)
+    argv = ["serve", "--kv-ram-gb", "0", "--kv-disk-gb", "0", "--replicas", "2", "--routing",
+            "round-robin", "--max-num-seqs", "8"]  # fmt: skip
+    d = Deployment.from_argv(argv, cfg)
+    assert (d.replicas, d.routing, d.spec.max_num_seqs) == (2, "round-robin", 8)
+
+
+def test_cli_errors_are_messages(tmp_path, capsys):
+    assert main(["plan", "--students", "100", "--hardware", str(tmp_path / "none.json")]) == 2
+    assert "bench calibrate" in capsys.readouterr().err
+    bad = tmp_path / "old.json"
+    bad.write_text(json.dumps({"features": ["const"], "coef": [1.0]}))
+    assert main(["sim", "validate", "--step-cost", str(bad), str(bad)]) == 2
+    assert "rerun calibrate" in capsys.readouterr().err
+
+
+def test_fit_serving_recovers_a_known_step_factor_and_overhead(tmp_path):
+    from dataclasses import asdict, replace
+
+    from tutorserve.models.loader import load_tokenizer
+    from tutorserve.sim.validate import _simulate, fit_serving
+
+    cfg, tok = load_model_config("smollm2-135m-instruct"), load_tokenizer("smollm2-135m-instruct")
+    config = {"argv": ["serve", "--kv-ram-gb", "0", "--kv-disk-gb", "0", "--kv-cache-gb", "0.05"],
+              "workload": "edu-multiturn", "num_requests": 24, "request_rate": 0.2,
+              "burstiness": 1.0, "arrival": "gamma", "seed": 3}  # fmt: skip
+    truth = replace(_cost(), serving_step_factor=1.25, request_overhead_s=0.04)
+    records = _simulate({"config": config}, truth, cfg, tok)[1].records()
+    run = tmp_path / "measured.json"
+    run.write_text(json.dumps({"config": config, "records": [asdict(r) for r in records]}))
+    fitted = fit_serving([run], _cost(), cfg, tok)
+    assert fitted.serving_step_factor == pytest.approx(1.25, rel=0.02)
+    assert fitted.request_overhead_s == pytest.approx(0.04, abs=0.005)
+
+
+def test_datasheet_model_is_labelled_not_measured():
+    from tutorserve.bench.step_cost import HARDWARE, ModelCosts
+
+    cfg = load_model_config("smollm2-135m-instruct")
+    cost = StepCostModel.from_hardware(HARDWARE["h100-80g"], ModelCosts.of(cfg), 0.004)
+    assert not cost.measured and "not measured" in cost.source
+    one = cost.step_seconds(StepShape(((1, 1000),)))
+    assert math.isclose(one, cost.coef[0] + cost.coef[1] + 1001 * cost.coef[3], rel_tol=1e-9)
