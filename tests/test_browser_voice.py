@@ -16,15 +16,10 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from conftest import LiveServer, start_server
 from test_browser import CHROMIUM, CHROMIUM_ARGS
-from tutorserve.voice.asr import asr_missing
 from tutorserve.voice.audio import resample, to_pcm16, wav_bytes
 from tutorserve.voice.tts import EspeakTTS
 
 ESPEAK = shutil.which("espeak-ng")
-pytestmark = [
-    pytest.mark.skipif(ESPEAK is None, reason="espeak-ng is not installed"),
-    pytest.mark.skipif(asr_missing() is not None, reason=str(asr_missing())),
-]
 SPOKEN = "the answer is two and three"
 
 

@@ -1,8 +1,7 @@
 """Spoken turns and OpenAI's audio routes end to end through a live server: transcriptions in
 each format, speech as WAV and PCM, bad audio as 400/413 (never a 500), a spoken turn over SSE
 and over the WebSocket (audio in → events → audio out, partial transcripts), a spoken wrong sign
-graded wrong, and 501 without voice (always run; the others skip without the voice extra or
-espeak-ng)."""
+graded wrong, and 501 without voice."""
 
 from __future__ import annotations
 
@@ -15,9 +14,10 @@ import wave
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 from conftest import LiveServer, start_server
-from test_voice import SENTENCES, needs_asr, needs_espeak, say, wav_info, wer, words
+from test_voice import SENTENCES, say, wav_info, wer, words
 from tutorserve.tutor.answers import matches
 from tutorserve.tutor.courses import load_courses
 from tutorserve.voice.audio import SAMPLE_RATE, wav_bytes
@@ -58,8 +58,6 @@ def sse(response: httpx.Response) -> list[tuple[str, dict]]:
     return events
 
 
-@needs_asr
-@needs_espeak
 def test_transcriptions_in_each_response_format(server):
     url, audio = server.url + "/v1/audio/transcriptions", say(SENTENCES[1])
     for fmt in ("json", "verbose_json", "text"):
@@ -76,8 +74,6 @@ def test_transcriptions_in_each_response_format(server):
     assert body["duration"] == pytest.approx(wav_info(audio)[3], abs=0.01) and body["segments"]
 
 
-@needs_asr
-@needs_espeak
 @pytest.mark.parametrize(
     ("file", "data", "status", "param"),
     [
@@ -102,7 +98,6 @@ def test_bad_audio_gets_a_clear_4xx(server, file, data, status, param):
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
 
 
-@needs_espeak
 def test_speech_streams_wav_and_pcm_of_the_right_length(server):
     url, text = server.url + "/v1/audio/speech", " ".join(SENTENCES[:2])
     r = httpx.post(url, json={"model": "tts-1", "input": text, "voice": "nova"}, timeout=60)
@@ -134,8 +129,6 @@ def spoken_reply(events: list[tuple[str, dict]]) -> str:
     )
 
 
-@needs_asr
-@needs_espeak
 def test_a_spoken_turn_end_to_end(server):
     sid = session(server)
     with httpx.stream(
@@ -168,8 +161,6 @@ def test_a_spoken_turn_end_to_end(server):
     assert [t["message"] for t in stored] == [message]
 
 
-@needs_asr
-@needs_espeak
 def test_a_spoken_wrong_sign_is_not_graded_right(server):
     """The first problem's known mistake, said aloud: Whisper writes "minus 2 and minus 3",
     in which a checker sees 2 and 3, the right answer, unless the words are read as maths."""
@@ -188,8 +179,6 @@ def test_a_spoken_wrong_sign_is_not_graded_right(server):
     assert "audio" not in [n for n, _ in events]  # speak=false: text only
 
 
-@needs_asr
-@needs_espeak
 def test_spoken_turn_refuses_bad_audio_and_text_turns_still_work(server):
     url = f"{server.url}/v1/tutor/sessions/{session(server)}/turns"
     silence = wav_bytes(b"\x00\x00" * SAMPLE_RATE, SAMPLE_RATE)
@@ -210,10 +199,7 @@ def test_spoken_turn_refuses_bad_audio_and_text_turns_still_work(server):
     assert "final" in names and "audio" not in names and "transcript" not in names
 
 
-@needs_asr
-@needs_espeak
 def test_a_spoken_turn_over_the_websocket(server):
-    from websockets.sync.client import connect
 
     sid = session(server)
     wav = say("the answer is two and three")
@@ -252,10 +238,7 @@ def test_a_spoken_turn_over_the_websocket(server):
     assert names.index("audio") < names.index("final")  # "Not quite." / "Correct!" goes first
 
 
-@needs_asr
-@needs_espeak
 def test_the_websocket_sends_partial_transcripts_while_the_learner_speaks(server):
-    from websockets.sync.client import connect
 
     with wave.open(io.BytesIO(say(" ".join(SENTENCES[:2])))) as w:
         pcm = w.readframes(w.getnframes())
@@ -296,7 +279,6 @@ def test_without_voice_the_audio_routes_answer_501(synth_llama_long):
             err = r.json()["error"]
             assert err["code"] == "voice_unavailable" and "voice" in err["message"].lower()
         # The WebSocket says the same in its first message, then closes.
-        connect = pytest.importorskip("websockets.sync.client").connect
 
         sid = session(quiet)
         with connect(quiet.url.replace("http", "ws") + f"/v1/tutor/sessions/{sid}/voice") as ws:

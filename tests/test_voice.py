@@ -1,7 +1,7 @@
 """Speech in and out, without a server: Whisper on espeak-ng speech (WER bound asserted),
 synthesis format and duration, audio decoding and its errors, the streamed reply spoken sentence
-by sentence, spoken maths read as maths. The API end to end is `test_server_voice.py`. Without
-the voice extra or espeak-ng, the tests that need them skip with the reason."""
+by sentence, spoken maths read as maths. The API end to end is `test_server_voice.py`. `make
+test` installs the voice extra and espeak-ng; without them these tests fail, saying which."""
 
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ from tutorserve.voice.spoken import spoken_math
 from tutorserve.voice.tts import EspeakTTS
 
 ESPEAK = shutil.which("espeak-ng")
-needs_espeak = pytest.mark.skipif(ESPEAK is None, reason="espeak-ng is not installed")
-needs_asr = pytest.mark.skipif(asr_missing() is not None, reason=str(asr_missing()))
 # Learner-like sentences: short, everyday, in the English course's tenses.
 SENTENCES = [
     "I went to the market yesterday and bought some apples.",
@@ -45,6 +43,12 @@ SENTENCES = [
 # Whisper tiny.en on espeak-ng's robotic en-us voice: 14.5 % measured on these 69 words (it
 # hears "friends" as "friend", "the zoo" as "the moon"); natural speech does better.
 MAX_WER = 0.20
+
+
+def test_speech_is_installed():
+    # `make test` installs both (the voice extra, `make voice-deps`); the tests below need them.
+    assert asr_missing() is None, asr_missing()
+    assert ESPEAK is not None, "espeak-ng is not installed (make voice-deps)"
 
 
 def say(text: str, rate: int = SAMPLE_RATE) -> bytes:
@@ -113,7 +117,6 @@ def test_bad_audio_is_refused_with_its_status(data, error):
     assert e.value.status == (413 if error is AudioTooLong else 400)
 
 
-@needs_asr
 def test_webm_opus_from_a_browser_decodes():
     import av
 
@@ -215,7 +218,6 @@ def test_spoken_maths_is_graded_as_maths(heard, graded):
 # --- synthesis and recognition -----------------------------------------------------------------
 
 
-@needs_espeak
 @pytest.mark.parametrize("text", ["Hello.", SENTENCES[0], " ".join(SENTENCES[:3])])
 def test_espeak_makes_16_bit_speech_of_a_plausible_length(text):
     tts = EspeakTTS(ESPEAK)
@@ -227,8 +229,6 @@ def test_espeak_makes_16_bit_speech_of_a_plausible_length(text):
     assert pcm.dtype == np.int16 and np.abs(pcm.astype(np.int32)).max() > 3000
 
 
-@needs_asr
-@needs_espeak
 def test_whisper_transcribes_espeak_speech_within_the_wer_bound():
     from tutorserve.voice.asr import Transcriber
 
