@@ -430,7 +430,13 @@ def _save(folder: str, name: str, data: Any, plot: Callable[[Path], None]) -> No
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(data, indent=1))
     plot(out / f"{name}.png")
-    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
+    provenance(f"machine: {_machine()}")
+
+
+def provenance(source: str) -> None:
+    """The date, where the numbers come from and the exact command, which close every
+    benchmark's (and simulation's) printed results."""
+    print(f"date: {time.strftime('%Y-%m-%d')}; {source}")
     print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
 
 
@@ -556,8 +562,7 @@ def cmd_tutor_scale(a: argparse.Namespace) -> int:
     if min(students, default=1) < 1 or a.problems < 1 or a.engine_students < 1:
         raise ValueError("--students, --problems and --engine-students must be >= 1")
     run_report(students, a.problems, Path(a.out), a.engine, a.engine_students)
-    print(f"date: {time.strftime('%Y-%m-%d')}; machine: {_machine()}")
-    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
+    provenance(f"machine: {_machine()}")
     return 0
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tutorserve.bench.cli import provenance
 from tutorserve.bench.serving_metrics import SLO
 from tutorserve.bench.step_cost import HARDWARE, ModelCosts, StepCostModel
 from tutorserve.bench.workloads import WORKLOADS
@@ -128,7 +128,8 @@ def cmd_validate(a: argparse.Namespace) -> int:
     plot(rows, out / "validate.png")
     print(table(rows))
     print(within(rows, 0.15, ("goodput", "p50_ttft_ms", "p90_ttft_ms")))
-    _footer(f"step cost: {cost.source} ({a.step_cost})")
+    print()
+    provenance(f"step cost: {cost.source} ({a.step_cost})")
     return 0
 
 
@@ -142,7 +143,8 @@ def cmd_fit_serving(a: argparse.Namespace) -> int:
     model.save(a.out)
     print(f"serving step factor {model.serving_step_factor:.3f}; request overhead "
           f"{model.request_overhead_s * 1000:.0f} ms → {a.out}")  # fmt: skip
-    _footer(f"fitted on {len(a.measured)} runs")
+    print()
+    provenance(f"fitted on {len(a.measured)} runs")
     return 0
 
 
@@ -166,7 +168,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(f"| {rate:g} | {s['goodput']:.2f} | {s['p50_ttft_ms']:.0f} / "
               f"{s['p90_ttft_ms']:.0f} | {s['mean_tpot_ms']:.0f} | "
               f"{s['prefix_cache_hit_rate']:.0%} | {s['preemptions']} |")  # fmt: skip
-    _footer(f"{d.label()}; {source}")
+    print()
+    provenance(f"{d.label()}; {source}")
     return 0
 
 
@@ -224,7 +227,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
         "plans": [asdict(p) for p in plans],
     }, indent=1))  # fmt: skip
     _plot_plan(plans, out / f"{name}.png")
-    _footer(source)
+    print()
+    provenance(source)
     return 0
 
 
@@ -250,10 +254,3 @@ def _plot_plan(plans: list[Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _footer(source: str) -> None:
-    import sys
-
-    print(f"\ndate: {time.strftime('%Y-%m-%d')}; {source}")
-    print(f"command: `tutorserve {' '.join(sys.argv[1:])}`")
