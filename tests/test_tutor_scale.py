@@ -104,6 +104,43 @@ def test_a_second_learner_with_the_same_mistake_is_served_from_the_cache(algebra
     )  # diagnose was authored: explain was the only model call of the first turn
 
 
+def test_a_class_asking_at_once_costs_one_model_call_per_reply(algebra, store):
+    """Single flight: eight learners send the same unforeseen wrong answer together; the model
+    diagnoses it and writes the hint once, and the others wait for those replies."""
+    llm = CountingLLM(delay={"diagnose": 0.02, "explain": 0.02})
+    cache = ReplyCache()
+    service = TutorService({"algebra": algebra}, store, Routing.single(llm, cache=cache))
+
+    async def go():
+        return await asyncio.gather(*(turns(service, f"kid{i}", ["x = 7"]) for i in range(8)))
+
+    finals = [f for (f,) in asyncio.run(go())]
+    assert calls_to(llm, "diagnose") == 1 and calls_to(llm, "explain") == 1
+    assert len({f["reply"] for f in finals}) == 1
+    assert sorted(f["tiers"]["explain"] for f in finals) == ["cache"] * 7 + ["large"]
+    assert cache.stats()["hits"] == {"diagnose": 7, "explain": 7}
+
+
+def test_a_failed_writer_lets_the_next_waiter_write(algebra, store):
+    """The first call's model fails, so it caches nothing: a waiting learner writes the reply
+    itself rather than waiting for good."""
+
+    def explain(messages, attempt):
+        if attempt == 0:
+            raise ValueError("the model returned an empty reply")
+        return "Think about which two numbers multiply to 6."
+
+    llm = CountingLLM(script={"explain": explain}, delay={"explain": 0.02})
+    service = TutorService({"algebra": algebra}, store, Routing.single(llm, cache=ReplyCache()))
+
+    async def go():
+        return await asyncio.gather(*(turns(service, f"kid{i}", ["x = 7"]) for i in range(3)))
+
+    finals = [f for (f,) in asyncio.run(go())]
+    assert calls_to(llm, "explain") == 2
+    assert sorted(f["tiers"]["explain"] for f in finals) == ["authored", "cache", "large"]
+
+
 def test_a_course_edit_invalidates_its_entries(algebra, store):
     llm, cache = CountingLLM(), ReplyCache()
     service = TutorService({"algebra": algebra}, store, Routing.single(llm, cache=cache))
@@ -186,15 +223,48 @@ def test_breaker_opens_on_failures_then_probes_half_open():
     for failed in (False, True, True):
         assert b.allow()
         b.record(failed)
-    assert b.state is State.OPEN and not b.allow()
+    assert b.state is State.OPEN and not b.allow() and not b.take_probe()
     now[0] = 10.5
-    assert b.allow() and not b.allow(), "half-open lets exactly one probe through"
+    assert not b.allow(), "a half-open endpoint gets no student's call"
+    assert b.take_probe() and not b.take_probe(), "half-open sends exactly one probe"
     b.record(failed=True)
     assert b.state is State.OPEN
     now[0] = 21.0
-    assert b.allow()
+    assert b.take_probe()
     b.record(failed=False)
     assert b.state is State.CLOSED and b.allow() and b.opened == 2
+
+
+def test_a_half_open_endpoint_is_probed_on_the_side_and_rejoins_once_it_answers(algebra, store):
+    """While the large model hangs, no student's call goes to it once its breaker opened: a
+    half-open breaker is probed by a call of its own. Once a probe is answered, the large tier
+    writes again."""
+    hang = {"diagnose": 5.0, "explain": 5.0}
+    large = CountingLLM("large", delay=hang)
+    config = BreakerConfig(min_calls=1, failure_rate=1.0, slow_s=0.3, open_s=0.2)
+    routing = Routing({Tier.SMALL: CountingLLM("small"), Tier.LARGE: large},
+                      Uniform(Tier.LARGE), config)  # fmt: skip
+    service = TutorService({"algebra": algebra}, store, routing)
+
+    async def go():
+        out = [(await turns(service, "first", ["x = 7"]))[0]]  # its diagnose opens the breaker
+        await asyncio.sleep(0.25)  # half-open now
+        out.append((await turns(service, "during", ["x = 7"]))[0])  # sends the probe
+        await asyncio.sleep(0.4)  # the probe timed out: open again
+        sent = (calls_to(large, "diagnose"), calls_to(large, "explain"))
+        large.delay = {}  # it recovers
+        await asyncio.sleep(0.25)  # half-open again
+        await turns(service, "probing", ["x = 7"])  # its probe is answered
+        await asyncio.sleep(0.05)
+        out.append((await turns(service, "after", ["x = 7"]))[0])
+        return out, sent
+
+    (first, during, after), sent = asyncio.run(go())
+    for f in (first, during):
+        assert (f["tiers"]["diagnose"], f["tiers"]["explain"]) == ("small", "small"), f["tiers"]
+    assert sent == (2, 0), "besides the call that opened it, the large model got only the probe"
+    assert (after["tiers"]["diagnose"], after["tiers"]["explain"]) == ("large", "large")
+    assert routing.health()["large"]["state"] == "closed"
 
 
 @pytest.mark.parametrize("failure", ["errors", "hangs"])

@@ -49,6 +49,13 @@ def add_tutor_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tutor-llm-model", default=None, help="model name at --tutor-llm-url")
     g.add_argument("--tutor-llm-key", default=None, help="API key for --tutor-llm-url")
     g.add_argument(
+        "--tutor-config",
+        default=None,
+        metavar="YAML",
+        help="the tutor's models by tier, tiering policy, reply cache, breakers and per-school "
+        "quotas (docs/tutor-config.md); default: this engine for every agent, none of the rest",
+    )
+    g.add_argument(
         "--otel",
         default="off",
         choices=["off", "console", "otlp"],
@@ -199,28 +206,36 @@ def _cluster_front(a: argparse.Namespace, config: Any) -> Any:
 
 
 def _tutor_service(a: argparse.Namespace) -> Callable[[Any, str], Any] | None:
-    """Courses, store and tracing are checked before the model loads (a typo in --courses
-    should not cost a model load); the service itself needs the engine, so it comes back as a
-    function of it."""
+    """Courses, store, tracing and the tutor config are checked before the model loads (a typo
+    in --courses should not cost a model load); the service itself needs the engine, so it
+    comes back as a function of it."""
     if a.no_tutor:
         return None
     from tutorserve.tutor.courses import load_courses
-    from tutorserve.tutor.llm_client import EngineLLM, OpenAILLM
     from tutorserve.tutor.service import TutorService
+    from tutorserve.tutor.settings import TutorSettings
     from tutorserve.tutor.store import TutorStore
     from tutorserve.tutor.tracing import setup_tracing
 
+    if a.tutor_config and a.tutor_llm_url:
+        raise ValueError("--tutor-llm-url is --tutor-config's one-model case: give one of them")
+    if a.tutor_config:
+        settings = TutorSettings.load(a.tutor_config)
+    elif a.tutor_llm_url:
+        settings = TutorSettings.one_endpoint(a.tutor_llm_url, a.tutor_llm_model, a.tutor_llm_key)
+    else:
+        settings = TutorSettings.plain()
     courses = load_courses(a.courses)
     store = TutorStore(a.tutor_db)
     setup_tracing(a.otel, a.otel_endpoint)
 
     def build(server: Any, model_name: str) -> TutorService:
-        if a.tutor_llm_url:
-            llm = OpenAILLM(a.tutor_llm_url, a.tutor_llm_model or model_name, a.tutor_llm_key)
-        else:
-            llm = EngineLLM(server, model_name)
-        log.info("tutor: %d courses (%s), model %s", len(courses), ", ".join(courses), llm.name)
-        return TutorService(courses, store, llm)
+        engines = settings.second_engines()
+        routing = settings.routing(server, model_name, engines)
+        log.info("tutor: %d courses (%s); models by tier: %s; policy %s", len(courses),
+                 ", ".join(courses), routing.describe(), routing.policy.name)  # fmt: skip
+        return TutorService(courses, store, routing, quotas=settings.quota_book(),
+                            engines=engines.values())  # fmt: skip
 
     return build
 

@@ -165,6 +165,8 @@ def build_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
         await server.start()
+        if tutor is not None:
+            await tutor.start()
         yield
         if tutor is not None:
             await tutor.close()  # turns in flight still assess and store their answer

@@ -1,6 +1,8 @@
 """A circuit breaker per model endpoint: when too many recent calls failed or were too slow, the
 endpoint is skipped at once (the next tier down answers) instead of every agent waiting for its
-own timeout; after a pause, one probe call at a time tests whether it recovered."""
+own timeout; after a pause, one probe call at a time tests whether it recovered. The probe is
+not a student's call (`Routing` sends it on the side), so nobody waits on an endpoint that may
+still be down."""
 
 from __future__ import annotations
 
@@ -47,19 +49,18 @@ class CircuitBreaker:
         self.opened = 0  # times it opened, for metrics
 
     def allow(self) -> bool:
-        """Whether a call may go to the endpoint now (a half-open breaker lets one probe in)."""
+        """Whether a call may go to the endpoint now."""
         self._tick()
-        if self.state is State.CLOSED:
-            return True
+        return self.state is State.CLOSED
+
+    def take_probe(self) -> bool:
+        """Whether to probe the endpoint now: once per half-open spell, until `record` says
+        how the probe went."""
+        self._tick()
         if self.state is State.HALF_OPEN and not self._probing:
             self._probing = True
             return True
         return False
-
-    def available(self) -> bool:
-        """Whether calls may go through soon, without taking a half-open breaker's probe."""
-        self._tick()
-        return self.state is not State.OPEN
 
     def record(self, failed: bool) -> None:
         now = self.clock()

@@ -12,6 +12,7 @@ when the first entry of the new version is stored.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import threading
@@ -66,7 +67,11 @@ class CachedReply:
 
 
 class ReplyCache:
-    """An LRU map of `ReplyKey` → `CachedReply`, with hit counts and tokens saved per agent."""
+    """An LRU map of `ReplyKey` → `CachedReply`, with hit counts and tokens saved per agent.
+
+    A class asks the same thing at once: thirty students reach the same hint together. So a
+    missing reply is written by one call only (single flight, as a CDN collapses requests);
+    the others asking for its key meanwhile wait for it and count as hits."""
 
     def __init__(self, max_entries: int = 50_000) -> None:
         if max_entries < 1:
@@ -75,6 +80,7 @@ class ReplyCache:
         self._entries: OrderedDict[ReplyKey, CachedReply] = OrderedDict()
         self._course_versions: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._writing: dict[ReplyKey, asyncio.Future[None]] = {}
         self.hits: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
         self.saved_tokens: Counter[str] = Counter()
@@ -92,6 +98,23 @@ class ReplyCache:
             self.hits[key.agent] += 1
             self.saved_tokens[key.agent] += found.tokens
             return found
+
+    async def lookup(self, key: ReplyKey) -> CachedReply | None:
+        """The reply under `key`, waiting for it while another call writes it. None: this call
+        is the one to write it, and must call `written(key)` when done, whether or not it put
+        a reply (then the next waiter writes it)."""
+        while (writing := self._writing.get(key)) is not None:
+            await asyncio.shield(writing)
+        found = self.get(key)
+        if found is None:
+            self._writing[key] = asyncio.get_running_loop().create_future()
+        return found
+
+    def written(self, key: ReplyKey) -> None:
+        """The writer of `key` is done: its waiters look again."""
+        writing = self._writing.pop(key, None)
+        if writing is not None and not writing.done():
+            writing.set_result(None)
 
     def put(self, key: ReplyKey, reply: CachedReply) -> None:
         with self._lock:

@@ -7,6 +7,7 @@ already known costs no model at all.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -19,6 +20,7 @@ from tutorserve.tutor.reply_cache import ReplyCache
 from tutorserve.tutor.tiers import Situation, Tier, TieringPolicy, Uniform
 
 log = logging.getLogger(__name__)
+Probe = tuple[Messages, dict[str, Any]]  # a call's messages and options, to probe a model with
 
 
 class AllTiersDown(RuntimeError):
@@ -54,6 +56,7 @@ class Routing:
         self.cache = cache
         self.breaker_config = breaker = breaker or BreakerConfig()
         self.breakers = {id(m): CircuitBreaker(breaker) for m in self.models.values()}
+        self._probes: set[asyncio.Task] = set()
 
     @classmethod
     def single(cls, llm: ChatLLM, **kw: Any) -> Routing:
@@ -64,16 +67,46 @@ class Routing:
         """The policy's tier for `s`, no higher than `cap` (a tenant over quota is degraded)."""
         return min(self.policy.tier(s), cap)
 
-    def serving(self, wanted: Tier, skip: frozenset[int] = frozenset()) -> tuple[Tier, ChatLLM]:
+    def serving(
+        self, wanted: Tier, skip: frozenset[int] = frozenset(), probe: Probe | None = None
+    ) -> tuple[Tier, ChatLLM]:
         """The tier and model that answer a call wanted at `wanted`: the first one down whose
-        breaker lets calls through; AllTiersDown when none does."""
+        breaker is closed; AllTiersDown when none is. A half-open model passed on the way is
+        sent `probe`'s call on the side."""
         tier = wanted
         while tier > Tier.AUTHORED:
             llm = self.models.get(tier)
-            if llm is not None and id(llm) not in skip and self.breakers[id(llm)].allow():
-                return tier, llm
+            if llm is not None and id(llm) not in skip:
+                breaker = self.breakers[id(llm)]
+                if breaker.allow():
+                    return tier, llm
+                if probe is not None and breaker.take_probe():
+                    self._send_probe(llm, breaker, probe)
             tier = tier.down()
         raise AllTiersDown(f"no model tier at or below {wanted.label} is available")
+
+    def _send_probe(self, llm: ChatLLM, breaker: CircuitBreaker, probe: Probe) -> None:
+        """The call asked for one token, in a task of its own whose usage is nobody's turn's:
+        it only tells the breaker whether the endpoint answers within `slow_s` again."""
+        messages, kw = probe
+
+        async def run() -> None:
+            deltas = llm.stream(messages, **{**kw, "max_tokens": 1})
+            try:
+                await asyncio.wait_for(anext(deltas), self.breaker_config.slow_s)
+                failed = False
+            except StopAsyncIteration:
+                failed = False
+            except Exception as e:  # TimeoutError included
+                failed = endpoint_failed(e)
+            finally:
+                await deltas.aclose()  # type: ignore[attr-defined]
+            log.info("tutor model %s probed: %s", llm.name, "down" if failed else "back")
+            breaker.record(failed=failed)
+
+        task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     def model_name(self, wanted: Tier) -> str:
         """The model a call at `wanted` would go to now (for a reply-cache lookup), or the
@@ -81,7 +114,7 @@ class Routing:
         tier = wanted
         while tier > Tier.AUTHORED:
             llm = self.models.get(tier)
-            if llm is not None and self.breakers[id(llm)].available():
+            if llm is not None and self.breakers[id(llm)].allow():
                 return llm.name
             tier = tier.down()
         return (self.models.get(wanted) or next(iter(self.models.values()))).name
@@ -96,7 +129,7 @@ class Routing:
         caller's (the student has seen it)."""
         tried: set[int] = set()
         while True:
-            tier, llm = self.serving(wanted, frozenset(tried))
+            tier, llm = self.serving(wanted, frozenset(tried), (messages, kw))
             tried.add(id(llm))
             breaker = self.breakers[id(llm)]
             call = begin_call(tier, llm.name)
@@ -131,6 +164,10 @@ class Routing:
                 if call is not None:
                     call.seconds = time.monotonic() - start
                 await deltas.aclose()  # type: ignore[attr-defined]
+
+    def describe(self) -> str:
+        """Which model writes each tier, for the start-up log."""
+        return ", ".join(f"{t.label} {self.models[t].name}" for t in (Tier.SMALL, Tier.LARGE))
 
     def health(self) -> dict[str, Any]:
         """Each model endpoint's breaker, for /health."""

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Tracer
 
+from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.tutor.agents import CRITICAL_STEPS, assess, engage
 from tutorserve.tutor.agents import timeouts as agent_timeouts
 from tutorserve.tutor.agents.retrieve import course_material
@@ -56,15 +57,18 @@ class TutorService:
         retriever: Retriever = course_material,
         tracer: Tracer | None = None,
         quotas: Quotas | None = None,
+        engines: Iterable[AsyncEngine] = (),
     ) -> None:
         """`models`: one chat model for every agent, or a `Routing` (tiers, policy, breakers,
         reply cache). `timeouts`: seconds per agent name, for those not to keep their own
-        default. `quotas`: per-school limits (none: unlimited)."""
+        default. `quotas`: per-school limits (none: unlimited). `engines`: engines the models
+        run on besides the server's own, started and stopped with the service."""
         self.courses = courses
         self.store = store
         self.usage = UsageStore(store)
         self.routing = models if isinstance(models, Routing) else Routing.single(models)
         self.quotas = quotas
+        self.engines = list(engines)
         self.ledger = CostLedger()
         self.retriever = retriever
         self.timeouts = agent_timeouts(timeouts)
@@ -301,12 +305,18 @@ class TutorService:
             "courses": courses,
         }
 
+    async def start(self) -> None:
+        for engine in self.engines:
+            await engine.start()
+
     async def close(self) -> None:
         """Let turns still running finish (server shutdown), so none is lost half-done; then
-        close the store."""
+        close the store and stop the service's own engines."""
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=30)
         self.store.close()
+        for engine in self.engines:
+            await engine.stop()
 
 
 async def _drain(events: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:

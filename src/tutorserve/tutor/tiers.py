@@ -19,6 +19,11 @@ class Tier(IntEnum):
     SMALL = 1
     LARGE = 2
 
+    @classmethod
+    def _missing_(cls, value: object) -> Tier | None:
+        """A tier by its label too ("small"), as config files name it."""
+        return next((t for t in cls if t.label == value), None)
+
     def down(self) -> Tier:
         return Tier(max(0, self - 1))
 

@@ -70,24 +70,28 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
     if cache is not None:
         key = reply_key(AGENT.name, turn, d["level"], "", routing.model_name(tier),
                         said=normalized(turn.message))  # fmt: skip
-        if (hit := cache.get(key)) is not None:
+        if (hit := await cache.lookup(key)) is not None:
             begin_call(tier, key.model, cached_reply=True, saved_tokens=hit.tokens)
             text = hit.text
     if text is None:
-        history = [] if cache is not None else turn.history
-        text = await routing.complete(
-            tier,
-            prompts.diagnose_messages(turn.course, turn.problem, turn.message, history),
-            max_tokens=64,
-            temperature=0.0,
-            session_id=turn.session_id,
-            scope=f"diagnose/{turn.course.id}/{turn.problem.id}",
-            schema=prompts.DIAGNOSIS_SCHEMA,
-            priority=turn.priority,
-        )
-        if cache is not None and key is not None and (calls := logged_calls()):
-            tokens = sum(c.tokens for c in calls)
-            cache.put(key.with_model(calls[-1].model), CachedReply(text, tokens))
+        try:
+            text = await routing.complete(
+                tier,
+                prompts.diagnose_messages(turn.course, turn.problem, turn.message,
+                                          [] if cache is not None else turn.history),
+                max_tokens=64,
+                temperature=0.0,
+                session_id=turn.session_id,
+                scope=f"diagnose/{turn.course.id}/{turn.problem.id}",
+                schema=prompts.DIAGNOSIS_SCHEMA,
+                priority=turn.priority,
+            )  # fmt: skip
+            if cache is not None and key is not None and (calls := logged_calls()):
+                tokens = sum(c.tokens for c in calls)
+                cache.put(key.with_model(calls[-1].model), CachedReply(text, tokens))
+        finally:
+            if cache is not None and key is not None:
+                cache.written(key)
     # Only a reply of the asked form is used: free text from a confused model (or a server
     # that ignored the schema) would otherwise flow into the explanation prompt.
     if found := parse(text):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable
 
 from langgraph.runtime import Runtime
 
@@ -17,7 +18,7 @@ from tutorserve.tutor import prompts
 from tutorserve.tutor.agents.agent import Agent, Update, reply_key
 from tutorserve.tutor.costs import begin_call, logged_calls
 from tutorserve.tutor.ladder import MAX_LEVEL, AnswerLeak, RejectedReply, guarded
-from tutorserve.tutor.reply_cache import CachedReply
+from tutorserve.tutor.reply_cache import CachedReply, ReplyKey
 from tutorserve.tutor.routing import AllTiersDown
 from tutorserve.tutor.tiers import Tier
 from tutorserve.tutor.turn import Diagnosis, Turn, TurnState, TutorContext
@@ -68,50 +69,73 @@ def _whole_sentences(text: str) -> str:
     return text[: ends[-1]] if ends else text
 
 
+class _Shown:
+    """The reply as the student has seen it so far (streamed as deltas); a reset starts it again
+    from the verdict."""
+
+    def __init__(self, write: Callable[[dict], None], said: str) -> None:
+        self.write, self.said, self.parts = write, said, [said]
+        write({"event": "delta", "text": said})
+
+    def emit(self, text: str) -> None:
+        self.parts.append(text)
+        self.write({"event": "delta", "text": text})
+
+    def restart(self) -> None:
+        self.parts.clear()
+        self.write({"event": "reset"})
+        self.emit(self.said)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
-    turn, d, services = state["turn"], state["diagnosis"], runtime.context
-    level, said, routing = d["level"], verdict(d), services.routing
-    earlier = [r for _, r in turn.history]
-    write = runtime.stream_writer
-    shown: list[str] = []
-
-    def emit(text: str) -> None:
-        shown.append(text)
-        write({"event": "delta", "text": text})
-
-    def restart() -> None:
-        shown.clear()
-        write({"event": "reset"})
-        emit(said)
-
+    turn, d, routing = state["turn"], state["diagnosis"], runtime.context.routing
+    shown = _Shown(runtime.stream_writer, verdict(d))
     wrong = d["kind"] == "answer" and not d["correct"]
-    tier = routing.tier(turn.situation(AGENT.name, level, wrong), turn.cap)
-    emit(said)
+    tier = routing.tier(turn.situation(AGENT.name, d["level"], wrong), turn.cap)
     if tier is Tier.AUTHORED:  # the policy's choice, not a failure
-        emit(authored(turn, d))
-        return {"reply": "".join(shown)}
-    cache, key = routing.cache, None
-    label, mistake = _pedagogy(turn, d) if cache is not None else ("", d.get("reason", ""))
-    material = state.get("material", [])
-    if cache is not None:
-        # What was retrieved may follow the learner's words; the cacheable prompt keeps to the
-        # problem's own KCs.
-        material = [f"{turn.course.kc[k].name}: {turn.course.kc[k].explanation}"
-                    for k in turn.problem.kcs]  # fmt: skip
-        key = reply_key(AGENT.name, turn, level, label, routing.model_name(tier))
-        if (hit := cache.get(key)) is not None:
-            begin_call(tier, key.model, cached_reply=True, saved_tokens=hit.tokens)
-            if hit.text and prompts.unfit_reply(hit.text, earlier) is None:
-                emit(hit.text)
-                return {"reply": said + hit.text}
-            emit(authored(turn, d))
-            return {"reply": "".join(shown), "fallbacks": [AGENT.name]}
+        shown.emit(authored(turn, d))
+        return {"reply": shown.text}
+    cache = routing.cache
+    if cache is None:
+        material = state.get("material", [])
+        return await _write(turn, d, tier, None, d.get("reason", ""), material, shown, runtime)
+    label, mistake = _pedagogy(turn, d)
+    # What was retrieved may follow the learner's words; the cacheable prompt keeps to the
+    # problem's own KCs.
+    material = [f"{turn.course.kc[k].name}: {turn.course.kc[k].explanation}"
+                for k in turn.problem.kcs]  # fmt: skip
+    key = reply_key(AGENT.name, turn, d["level"], label, routing.model_name(tier))
+    if (hit := await cache.lookup(key)) is not None:
+        begin_call(tier, key.model, cached_reply=True, saved_tokens=hit.tokens)
+        if hit.text and prompts.unfit_reply(hit.text, [r for _, r in turn.history]) is None:
+            shown.emit(hit.text)
+            return {"reply": shown.text}
+        shown.emit(authored(turn, d))
+        return {"reply": shown.text, "fallbacks": [AGENT.name]}
+    try:
+        return await _write(turn, d, tier, key, mistake, material, shown, runtime)
+    finally:
+        cache.written(key)  # the class waiting for this reply looks again
+
+
+async def _write(
+    turn: Turn, d: Diagnosis, tier: Tier, key: ReplyKey | None, mistake: str,
+    material: list[str], shown: _Shown, runtime: Runtime[TutorContext],
+) -> Update:  # fmt: skip
+    """The model's reply through the guard and the checks, else the authored text; with `key`,
+    the outcome goes into the reply cache."""
+    level, routing = d["level"], runtime.context.routing
+    earlier = [r for _, r in turn.history]
 
     async def generate() -> str:
         for strict in (False, True):
             messages = prompts.explain_messages(
                 turn.course, turn.problem, turn.message, turn.history, level,
-                mistake, material, strict, pedagogical=cache is not None,
+                mistake, material, strict, pedagogical=key is not None,
             )  # fmt: skip
             deltas = routing.stream(
                 tier, messages, max_tokens=96, temperature=0.3, session_id=turn.session_id,
@@ -121,19 +145,19 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
             # The answer is the point of a confirmation or a correction: no guard there.
             watched = None if level in (0, MAX_LEVEL) else turn.problem
             try:
-                return await guarded(deltas, watched, emit)
+                return await guarded(deltas, watched, shown.emit)
             except AnswerLeak:
                 log.info("tutor reply leaked the answer (strict=%s); regenerating", strict)
-                restart()
+                shown.restart()
         raise AnswerLeak("the model gave the answer away twice")
 
     def remember(text: str) -> None:
-        if key is not None and (calls := logged_calls()):
+        if key is not None and routing.cache is not None and (calls := logged_calls()):
             tokens = sum(c.tokens for c in calls)
-            cache.put(key.with_model(calls[-1].model), CachedReply(text, tokens))  # type: ignore[union-attr]
+            routing.cache.put(key.with_model(calls[-1].model), CachedReply(text, tokens))
 
     try:
-        deadline = services.timeouts[AGENT.name]
+        deadline = runtime.context.timeouts[AGENT.name]
         reply = _whole_sentences(await asyncio.wait_for(generate(), deadline))
         if not reply:
             raise ValueError("the model returned an empty reply")
@@ -143,7 +167,7 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
         remember(reply)
         if why := prompts.unfit_reply(reply, earlier):  # this learner's history only
             raise RejectedReply(why)
-        return {"reply": said + reply}
+        return {"reply": shown.said + reply}
     except AnswerLeak as e:  # leaked twice: so it would for anyone
         log.info("tutor reply rejected (%s); using the authored text", e)
         remember("")
@@ -151,11 +175,11 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
         log.info("tutor reply rejected (%s); using the authored text", e)
     except (TimeoutError, ValueError, AllTiersDown) as e:
         log.warning("tutor explain fell back (%s: %s)", type(e).__name__, e)
-        if "".join(shown) != said:  # keep what the student already saw rather than replace it
-            return {"reply": "".join(shown), "fallbacks": [AGENT.name]}
-    restart()
-    emit(authored(turn, d))
-    return {"reply": "".join(shown), "fallbacks": [AGENT.name]}
+        if shown.text != shown.said:  # keep what the student already saw rather than replace it
+            return {"reply": shown.text, "fallbacks": [AGENT.name]}
+    shown.restart()
+    shown.emit(authored(turn, d))
+    return {"reply": shown.text, "fallbacks": [AGENT.name]}
 
 
 def fallback(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
