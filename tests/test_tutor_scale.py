@@ -141,6 +141,39 @@ def test_a_failed_writer_lets_the_next_waiter_write(algebra, store):
     assert sorted(f["tiers"]["explain"] for f in finals) == ["authored", "cache", "large"]
 
 
+def test_a_class_waiting_on_a_writer_moved_down_a_tier_takes_its_reply(algebra, store):
+    """The large model hangs and its breaker has not opened yet: the one call writing each
+    reply waits `slow_s` and is answered by the small model; the rest of the class takes that
+    reply instead of each waiting on the hanging model in turn."""
+    hits = []
+
+    async def endpoint(request: httpx.Request) -> httpx.Response:
+        hits.append(request.url.path)
+        await asyncio.sleep(30)
+        return httpx.Response(500)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(endpoint))
+    large = OpenAILLM("http://stub/v1", "large-stub", http_client=client)
+    small = CountingLLM("small")
+    config = BreakerConfig(min_calls=20, slow_s=0.3)  # stays closed throughout
+    routing = Routing({Tier.SMALL: small, Tier.LARGE: large}, Uniform(Tier.LARGE), config,
+                      ReplyCache())  # fmt: skip
+    service = TutorService({"algebra": algebra}, store, routing)
+
+    async def go():
+        t0 = time.monotonic()
+        finals = await asyncio.gather(*(turns(service, f"kid{i}", ["x = 7"]) for i in range(8)))
+        return [f for (f,) in finals], time.monotonic() - t0
+
+    finals, took = asyncio.run(go())
+    # One hanging call per cached reply (diagnose, explain), not one per learner; engage's
+    # sentence names the learner's own progress, so each learner's is asked for (at once).
+    assert len(hits) == 2 + 8
+    assert took < 0.3 * 8, "the class waited on the hanging model one writer after another"
+    assert sorted(f["tiers"]["explain"] for f in finals) == ["cache"] * 7 + ["small"]
+    assert len({f["reply"] for f in finals}) == 1 and calls_to(small, "explain") == 1
+
+
 def test_a_course_edit_invalidates_its_entries(algebra, store):
     llm, cache = CountingLLM(), ReplyCache()
     service = TutorService({"algebra": algebra}, store, Routing.single(llm, cache=cache))

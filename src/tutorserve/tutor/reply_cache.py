@@ -80,7 +80,7 @@ class ReplyCache:
         self._entries: OrderedDict[ReplyKey, CachedReply] = OrderedDict()
         self._course_versions: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._writing: dict[ReplyKey, asyncio.Future[None]] = {}
+        self._writing: dict[ReplyKey, asyncio.Future[ReplyKey | None]] = {}
         self.hits: Counter[str] = Counter()
         self.misses: Counter[str] = Counter()
         self.saved_tokens: Counter[str] = Counter()
@@ -101,20 +101,34 @@ class ReplyCache:
 
     async def lookup(self, key: ReplyKey) -> CachedReply | None:
         """The reply under `key`, waiting for it while another call writes it. None: this call
-        is the one to write it, and must call `written(key)` when done, whether or not it put
-        a reply (then the next waiter writes it)."""
+        is the one to write it, and must call `fill` with the reply or, failing, `written`
+        (then the next waiter writes it)."""
         while (writing := self._writing.get(key)) is not None:
-            await asyncio.shield(writing)
+            stored = await asyncio.shield(writing)
+            if stored is not None and (found := self.get(stored)) is not None:
+                return found
         found = self.get(key)
         if found is None:
             self._writing[key] = asyncio.get_running_loop().create_future()
         return found
 
+    def fill(self, asked: ReplyKey, model: str, reply: CachedReply) -> None:
+        """Store what the writer of `asked` got from `model` and hand it to the calls waiting
+        on `asked`. When a breaker moved the writer down a tier, its waiters would have been
+        moved down too: they take its reply rather than each waiting on the failing model in
+        turn."""
+        stored = asked.with_model(model)
+        self.put(stored, reply)
+        self._wake(asked, stored)
+
     def written(self, key: ReplyKey) -> None:
-        """The writer of `key` is done: its waiters look again."""
+        """The writer of `key` is done without a reply: its waiters look again."""
+        self._wake(key, None)
+
+    def _wake(self, key: ReplyKey, stored: ReplyKey | None) -> None:
         writing = self._writing.pop(key, None)
         if writing is not None and not writing.done():
-            writing.set_result(None)
+            writing.set_result(stored)
 
     def put(self, key: ReplyKey, reply: CachedReply) -> None:
         with self._lock:

@@ -88,7 +88,7 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
             )  # fmt: skip
             if cache is not None and key is not None and (calls := logged_calls()):
                 tokens = sum(c.tokens for c in calls)
-                cache.put(key.with_model(calls[-1].model), CachedReply(text, tokens))
+                cache.fill(key, calls[-1].model, CachedReply(text, tokens))
         finally:
             if cache is not None and key is not None:
                 cache.written(key)

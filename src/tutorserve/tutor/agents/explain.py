@@ -154,7 +154,7 @@ async def _write(
     def remember(text: str) -> None:
         if key is not None and routing.cache is not None and (calls := logged_calls()):
             tokens = sum(c.tokens for c in calls)
-            routing.cache.put(key.with_model(calls[-1].model), CachedReply(text, tokens))
+            routing.cache.fill(key, calls[-1].model, CachedReply(text, tokens))
 
     try:
         deadline = runtime.context.timeouts[AGENT.name]
