@@ -1,9 +1,7 @@
 """The cluster: routing policies on their own, and `tutorserve serve --replicas 2` on Ray Serve
-with the openai client (Ray is started and stopped by the server under test)."""
+with the openai client (Ray is started and stopped by the server under test; for the replica
+kill, the server runs in this process, which then drives Ray)."""
 
-import os
-import signal
-import subprocess
 import threading
 import time
 
@@ -11,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import start_server
+from conftest import _free_port, start_server
 from tutorserve.cluster.front import combine
 from tutorserve.cluster.routing import (
     CacheAware,
@@ -145,24 +143,89 @@ def test_round_robin_spreads_a_course_over_the_replicas(synth_llama):
     assert hits[:2] == [0, 0] and min(hits[2:]) >= 16 * 10, hits
 
 
-def _replica_pids(root: int) -> list[int]:
-    """The engine replicas of the server process `root` (Ray's processes are its descendants;
-    another test's cluster may be running beside it)."""
-    rows = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True,
-                          text=True).stdout.splitlines()  # fmt: skip
-    procs = [(int(pid), int(ppid), " ".join(args)) for pid, ppid, *args in map(str.split, rows)]
-    family, grew = {root}, True
-    while grew:
-        more = {pid for pid, ppid, _ in procs if ppid in family} - family
-        family |= more
-        grew = bool(more)
-    return [pid for pid, _, args in procs if pid in family and "ServeReplica:tutorserve" in args]
+class InProcessCluster:
+    """`serve --replicas 2` in this process (uvicorn on a thread), so the test drives Ray:
+    it asks each replica for its counters and kills one with `ray.kill`."""
+
+    def __init__(self, model, kv_dir, routing):
+        import uvicorn
+
+        from tutorserve.cli import _cluster_front, build_parser
+        from tutorserve.config import EngineConfig, engine_options
+        from tutorserve.server.app import ServerSettings, build_app
+
+        a = build_parser().parse_args([
+            "serve", "--model", model, "--replicas", "2", "--routing", routing, "--no-tutor",
+            "--num-kv-blocks", "2048", "--dtype", "float32", "--kv-disk-dir", str(kv_dir),
+        ])  # fmt: skip
+        self.front = _cluster_front(a, EngineConfig.from_kwargs(**engine_options(a)))
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(build_app(self.front, ServerSettings("tiny")), port=port,
+                                log_level="warning")  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "no server"
+            time.sleep(0.1)
+
+    def replica_stats(self):
+        got = self.front.handle.broadcast("stats").results(timeout_s=30, return_exceptions=True)
+        return dict(r for r in got if isinstance(r, tuple))
+
+    def kill(self, replica):
+        import ray
+
+        from tutorserve.cluster.launch import APP
+
+        name = f"SERVE_REPLICA::{APP}#engine#{replica}"
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+    def stop(self):
+        self.server.should_exit = True  # its shutdown stops Serve and Ray
+        self.thread.join(timeout=60)
+        if self.thread.is_alive():
+            self.front._shutdown()
 
 
-def test_a_replica_killed_mid_stream_ends_its_streams_and_the_cluster_goes_on(synth_llama):
-    server = start_server(synth_llama, "--replicas", "2", "--routing", "least-loaded")
+def disk_hits(stats):
+    return sum(t.hits for t in stats.tiers if t.name == "disk")
+
+
+def test_a_killed_replicas_streams_end_and_its_session_resumes_from_the_shared_tier(
+    synth_llama, tmp_path
+):
+    from tutorserve import LLM, SamplingParams
+
+    single = LLM(synth_llama, dtype="float32", enable_prefix_caching=False, kv_ram_bytes=0)
+
+    def expected(prompt):
+        ids = single.tokenizer.encode(prompt)
+        return single.generate([ids], SamplingParams(temperature=0, max_tokens=8))[0].text
+
+    cluster = InProcessCluster(synth_llama, tmp_path / "kv", routing="session")
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)  # fmt: skip
+
+        def turn(prompt):
+            return client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                             temperature=0,
+                                             extra_body={"session_id": "student-9"})  # fmt: skip
+
+        history = "Student 9 works on 2/3 + 1/6. " * 8
+        first_turn = turn(history)
+        assert first_turn.choices[0].text == expected(history)
+        owner = [r for r, s in cluster.replica_stats().items() if s.prefix_query_tokens]
+        assert len(owner) == 1, owner  # the replica that holds the session
+        # Written through as the turn ended, though the replica stays busy from here on.
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.glob("kv/*/*.kvb"))) < 64 // 16:
+            assert time.monotonic() < deadline, "the session's blocks never reached disk"
+            time.sleep(0.2)
+
         ends, streaming = {}, [threading.Event(), threading.Event()]
 
         def stream(i):
@@ -178,30 +241,36 @@ def test_a_replica_killed_mid_stream_ends_its_streams_and_the_cluster_goes_on(sy
                 ends[i] = reasons[-1]
             except Exception as e:  # an error event ends the stream: the client raises it
                 ends[i] = f"error: {e}"
+            finally:
+                streaming[i].set()
 
+        # One stream on each replica (the least loaded takes a request without a session).
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-        threads[0].start()
-        assert streaming[0].wait(30)
-        threads[1].start()  # least-loaded: on the other replica
-        assert streaming[1].wait(30)
-        pids = _replica_pids(server.proc.pid)
-        assert len(pids) == 2
-        os.kill(pids[0], signal.SIGKILL)
+        for i, t in enumerate(threads):
+            t.start()
+            assert streaming[i].wait(60)
+        cluster.kill(owner[0])
         for t in threads:
-            t.join(timeout=120)
+            t.join(timeout=180)
         assert not any(t.is_alive() for t in threads), "a stream hung"
         assert sorted(ends) == [0, 1]
         assert any(str(e).startswith("error") for e in ends.values()), ends
-        # The other replica serves on at once; Serve brings the dead one back.
-        deadline = time.monotonic() + 60
+        assert all(e == "length" or str(e).startswith("error") for e in ends.values()), ends
+
+        # The next turn goes elsewhere and finds the session's history in the shared folder.
+        second = history + first_turn.choices[0].text + " Turn 1: and 1/2 + 1/3? " * 2
+        deadline = time.monotonic() + 90
         while True:
             try:
-                out = client.completions.create(model="tiny", prompt="hi", max_tokens=2)
-                assert out.usage.completion_tokens == 2
+                second_turn = turn(second)
                 break
-            except openai.APIStatusError as e:
+            except openai.APIStatusError as e:  # routed to the dead replica: refused, not hung
                 assert e.status_code == 503 and time.monotonic() < deadline, e
                 time.sleep(1)
-        assert httpx.get(server.url + "/health").status_code == 200
+        assert second_turn.usage.prompt_tokens_details.cached_tokens >= 64
+        assert second_turn.choices[0].text == expected(second)
+        served = [r for r, s in cluster.replica_stats().items() if disk_hits(s)]
+        assert served and owner[0] not in served, (owner, served)
+        assert httpx.get(cluster.url + "/health").status_code == 200
     finally:
-        server.stop()
+        cluster.stop()

@@ -2,6 +2,7 @@
 sessions keep their history across turns and restarts; bad files are never loaded."""
 
 import logging
+import os
 import random
 import threading
 import time
@@ -209,7 +210,9 @@ def test_budgets_are_never_exceeded(synth_llama, tmp_path):
 def test_interrupted_writes_are_cleaned_up(tmp_path):
     shape, fp = (2, 1, 1, 4, 8), b"f" * 16
     disk = DiskTier(tmp_path, 1 << 20, fp, shape, torch.float32)
-    (disk.dir / "ab.kvb.1234.tmp").write_bytes(b"half a block")
+    leftover = disk.dir / "ab.kvb.1234.tmp"
+    leftover.write_bytes(b"half a block")
+    os.utime(leftover, (time.time() - 3600,) * 2)  # a fresh one may be another process's
     disk.put(b"k" * 16, torch.ones(shape))
     again = DiskTier(tmp_path, 1 << 20, fp, shape, torch.float32)
     assert [p.suffix for p in again.dir.iterdir()] == [".kvb"]

@@ -181,15 +181,18 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def _cluster_front(a: argparse.Namespace, config: Any) -> Any:
     """`--replicas N`: the engines on Ray Serve, and their front for the server. Each replica
-    gets its share of this host's threads unless told; the disk tier stays off (replicas do not
-    share one yet)."""
+    gets its share of this host's threads unless told, and of the disk tier's budget: the
+    replicas share its folder, so a session outlives the replica that served it."""
     from tutorserve.cluster.front import ClusterFront
     from tutorserve.cluster.launch import start_replicas
     from tutorserve.models.loader import load_tokenizer
 
     if a.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {a.replicas}")
-    options = engine_options(a) | {"kv_disk_bytes": 0}
+    options = engine_options(a)
+    # Ray workers do not start in this process's working directory.
+    options["kv_disk_dir"] = str(Path(options["kv_disk_dir"]).expanduser().resolve())
+    options["kv_disk_bytes"] //= a.replicas
     if not options.get("num_threads"):
         options["num_threads"] = max(1, (os.cpu_count() or 1) // a.replicas)
     handle, shutdown = start_replicas(options, replicas=a.replicas, routing=a.routing,

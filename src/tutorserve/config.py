@@ -112,6 +112,12 @@ class EngineConfig:
     session_ttl: float = _option(
         3600.0, Flag("seconds a session's KV is kept ahead of other cached KV", _TIERS)
     )
+    # Replicas sharing the disk folder turn this on (cluster/replica.py): a session's blocks
+    # reach disk when its turn ends, not when the engine next idles, so another replica can
+    # resume the session if this one dies. A busy engine pays for it in disk-writer GIL time.
+    session_write_through: bool = _option(
+        False, Flag("write a session's KV to the disk tier as each turn ends", _TIERS)
+    )
     # Multi-LoRA: adapters by name → PEFT folder, loaded at start; more can be loaded later.
     enable_lora: bool = _option(False, Flag("serve PEFT LoRA adapters", _LORA))
     lora_modules: dict[str, str] = dataclasses.field(

@@ -21,7 +21,9 @@ _UNBOUNDED = 1 << 30
 
 class EngineReplica:
     def __init__(self, engine_options: dict[str, Any]) -> None:
-        config = EngineConfig.from_kwargs(**engine_options)
+        # Replicas share the disk tier's folder: a session's KV goes to disk as each turn ends,
+        # so if this replica dies another one resumes the session from there.
+        config = EngineConfig.from_kwargs(**engine_options | {"session_write_through": True})
         self.server = AsyncEngine(lambda: LLMEngine(config), max_waiting=_UNBOUNDED)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._started = False

@@ -149,6 +149,7 @@ class LLMEngine:
             disk_dir=cfg.kv_disk_dir,
             fingerprint=model_fingerprint(self.model, self.kv_dtype, cfg.block_size),
             session_ttl=cfg.session_ttl,
+            session_write_through=cfg.session_write_through,
         )
 
     def reset_prefix_cache(self) -> int:

@@ -5,6 +5,12 @@ size, CRC-32 of the payload) and the raw payload. It is written to a temporary n
 so a crash mid-write leaves no file that looks complete. Every read checks the header against the
 key and the running model and the checksum against the payload; a file failing any check is
 logged, deleted and reported as a miss, so its bytes never reach attention.
+
+Several processes (engine replicas on one host, or on a shared filesystem) may share the folder.
+Each keeps its own index and budget; a lookup that misses it looks for a file another process
+wrote and adopts it once its header checks out, and a file another process evicted is a miss.
+Temporary names are unique per write and the rename is atomic, so two writers of one block leave
+one complete file.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import uuid
 import zlib
 from pathlib import Path
@@ -28,6 +35,9 @@ _VERSION = 1
 _HEADER = struct.Struct("<4sH16s16sdQI")  # magic, version, fingerprint, hash, expiry, size, crc
 _EXPIRY_OFFSET = 4 + 2 + 16 + 16
 _SUFFIX = ".kvb"
+# A temporary file older than this is an interrupted write; a younger one may be another
+# process's write in progress, about to be renamed.
+_STALE_TMP_S = 600.0
 
 
 class CorruptBlockError(ValueError):
@@ -62,19 +72,21 @@ class DiskTier(LruTier):
         return self.dir / (key.hex() + _SUFFIX)
 
     def _scan(self) -> None:
-        """Index the files a previous run left, oldest use first; drop leftovers of interrupted
-        writes and files whose header does not belong here."""
+        """Index the files in the folder (this process's last run's, or other processes'),
+        oldest use first; drop leftovers of interrupted writes and files whose header does not
+        belong here."""
         found = []
         for path in self.dir.iterdir():
-            if path.suffix != _SUFFIX:
-                if path.name.endswith(".tmp"):
-                    path.unlink(missing_ok=True)
-                continue
             try:
+                if path.suffix != _SUFFIX:
+                    if path.name.endswith(".tmp") and _age(path) > _STALE_TMP_S:
+                        path.unlink(missing_ok=True)
+                    continue
                 key = bytes.fromhex(path.stem)
-                with path.open("rb") as f:
-                    header = self._check_header(f.read(_HEADER.size), key, path.stat().st_size)
+                header = self._read_header(path, key)
                 found.append((path.stat().st_mtime, key, header[4]))
+            except FileNotFoundError:  # renamed or evicted by another process meanwhile
+                continue
             except (ValueError, OSError) as e:
                 self._drop(path, e)
         # Session entries must enter in expiry order, the others in last-use order.
@@ -89,6 +101,10 @@ class DiskTier(LruTier):
                 self.index.used_bytes / 2**20,
                 self.dir,
             )
+
+    def _read_header(self, path: Path, key: bytes) -> tuple:
+        with path.open("rb") as f:
+            return self._check_header(f.read(_HEADER.size), key, os.fstat(f.fileno()).st_size)
 
     def _check_header(self, raw: bytes, key: bytes, file_size: int) -> tuple:
         if len(raw) < _HEADER.size:
@@ -114,6 +130,30 @@ class DiskTier(LruTier):
         self.index.remove(key)
         self._path(key).unlink(missing_ok=True)
 
+    def _admit(self, key: bytes, expires_at: float) -> None:
+        """Count a block's file in this process's budget, evicting others to make room."""
+        nbytes = _HEADER.size + self.payload_bytes
+        with self._lock:
+            for victim in self.index.victims(nbytes):
+                self._remove(victim)
+            self.index.add(key, nbytes, expires_at)
+
+    def has(self, key: bytes) -> bool:
+        """Whether the block is stored: in this process's index, or in a file another process
+        wrote (adopted into the index if its header checks out; a bad file is a miss)."""
+        if key in self.index:
+            return True
+        path = self._path(key)
+        try:
+            header = self._read_header(path, key)
+        except FileNotFoundError:
+            return False
+        except (ValueError, OSError) as e:
+            self._drop(path, e)
+            return False
+        self._admit(key, header[4])
+        return True
+
     def put(self, key: bytes, data: torch.Tensor, expires_at: float = 0.0) -> None:
         """Write a block (disk writer thread); an existing one only has its expiry extended."""
         if self.touch(key, expires_at):
@@ -136,11 +176,8 @@ class DiskTier(LruTier):
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
-        with self._lock:
-            for victim in self.index.victims(nbytes):
-                self._remove(victim)
-            self.index.add(key, nbytes, expires_at)
-            self.stats.bytes_in += nbytes
+        self._admit(key, expires_at)
+        self.stats.bytes_in += nbytes
 
     def touch(self, key: bytes, expires_at: float = 0.0) -> bool:
         """Mark a stored block used (extending its session expiry on disk too); False if absent."""
@@ -164,9 +201,8 @@ class DiskTier(LruTier):
         return True
 
     def get(self, key: bytes) -> torch.Tensor | None:
-        """Read and verify a block (disk reader thread); None if absent or dropped as corrupt."""
-        if key not in self.index:
-            return None
+        """Read and verify a block (disk reader thread); None if absent or dropped as corrupt.
+        A file another process wrote is read too, and adopted."""
         path = self._path(key)
         try:
             with path.open("rb") as f:
@@ -187,7 +223,14 @@ class DiskTier(LruTier):
             self._drop(path, e)
             return None
         with self._lock:
+            known = key in self.index
             self.index.touch(key)
+        if not known:
+            self._admit(key, header[4])
         self.stats.bytes_out += size
         tensor = torch.frombuffer(raw, dtype=torch.uint8, offset=_HEADER.size)
         return tensor.view(self.dtype).view(self.shape)
+
+
+def _age(path: Path) -> float:
+    return time.time() - path.stat().st_mtime

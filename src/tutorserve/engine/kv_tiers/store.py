@@ -6,6 +6,10 @@ reader thread that promotes a run of blocks into RAM while the request waits and
 stepping; disk writes run on a writer thread behind a bounded backlog (a write that would exceed it
 is skipped, never waited for). Blocks of a finished session turn are written through to both
 tiers with an expiry (the session TTL), so the next turn, even after a restart, finds them.
+
+With `session_write_through`, a session's blocks are queued for disk as soon as they are kept,
+not when the engine idles: replicas sharing the disk folder then find a session whose replica
+died or was scaled away, even one that was busy until it went.
 """
 
 from __future__ import annotations
@@ -69,11 +73,13 @@ class TieredKVStore:
         disk_dir: str | Path,
         fingerprint: bytes,
         session_ttl: float,
+        session_write_through: bool = False,
     ) -> None:
         layers, kv_heads, _, block_size, head_dim = k_cache.shape
         self.k_cache, self.v_cache = k_cache, v_cache
         self.shape = (2, layers, kv_heads, block_size, head_dim)
         self.session_ttl = session_ttl
+        self.session_write_through = session_write_through
         self.spill_to_ram = ram_bytes > 0
         self.ram = RamTier(ram_bytes if ram_bytes > 0 else _STAGING_BYTES)
         self.disk = (
@@ -106,9 +112,9 @@ class TieredKVStore:
 
     def _store(self, blocks: list[tuple[int, bytes]], expires_at: float) -> None:
         """Copy blocks out of the pool. With a RAM tier they go there, and a session's blocks
-        are written back to disk later (when RAM evicts them, when the engine idles, at close):
-        a disk writer busy during steps takes the GIL from the step loop. Without one, they go
-        straight to disk."""
+        are written back to disk later (when RAM evicts them, when the engine idles, at close;
+        at once with `session_write_through`): a disk writer busy during steps takes the GIL
+        from the step loop. Without one, they go straight to disk."""
         wanted = []
         for block_id, key in blocks:
             if self.spill_to_ram:
@@ -121,15 +127,15 @@ class TieredKVStore:
                 wanted.append((block_id, key))
             elif expires_at:
                 self._write_down(key, None, expires_at)
-        if not wanted:
-            return
-        payloads = self._copy_out([block_id for block_id, _ in wanted])
+        payloads = self._copy_out([block_id for block_id, _ in wanted]) if wanted else []
         for (_, key), data in zip(wanted, payloads, strict=True):
             if self.spill_to_ram:
                 for victim in self.ram.put(key, data, expires_at):
                     self._write_down(*victim)
             else:
                 self._write_down(key, data, expires_at)
+        if expires_at and self.session_write_through:
+            self.flush()
 
     def flush(self) -> None:
         """Queue the disk writes of session blocks held only in RAM (the engine is idle)."""
@@ -159,7 +165,7 @@ class TieredKVStore:
         if rest and self.disk is not None:
             with self._lock:
                 out.pending = rest[0] in self._reading
-            if not out.pending and rest[0] in self.disk:
+            if not out.pending and self.disk.has(rest[0]):
                 out.pending = self._start_read(request_id, rest)
         with self._lock:
             promoted = any(k in self._from_disk for k in out.keys)
@@ -176,7 +182,7 @@ class TieredKVStore:
         self._reads_by_request[request_id] = reads + 1
         # At most half of RAM per read, so what it brings in is still there when restored.
         room = self.ram.capacity_bytes // 2 // disk.payload_bytes
-        run = list(takewhile(disk.__contains__, keys[:room]))
+        run = list(takewhile(disk.has, keys[:room]))
         # Registered before the read starts, so it cannot finish (and unregister them) first:
         # a key left behind would keep its request waiting forever.
         with self._lock:
