@@ -200,7 +200,7 @@ class ClusterFront:
     def _replica_states(self) -> dict[str, int]:
         app = serve.status().applications[self.handle.app_name]
         states = app.deployments[self.handle.deployment_name].replica_states
-        return {state.value: n for state, n in states.items()}
+        return dict(states)
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(
