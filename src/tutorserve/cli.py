@@ -191,7 +191,7 @@ def _cluster_front(a: argparse.Namespace, config: Any, scale: Scale) -> Any:
     try:
         return ClusterFront(replicas.handle, load_tokenizer(config.model),
                             adapters=replicas.adapters, block_size=config.block_size,
-                            num_replicas=scale.min_replicas, max_waiting=a.max_waiting,
+                            max_waiting=a.max_waiting,
                             max_requests_per_user=a.max_requests_per_user,
                             shutdown=replicas.stop)  # fmt: skip
     except BaseException:

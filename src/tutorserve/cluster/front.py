@@ -86,7 +86,6 @@ class ClusterFront:
         *,
         adapters: AdapterRegistry,
         block_size: int,
-        num_replicas: int,
         max_waiting: int = 256,
         max_requests_per_user: int | None = None,
         shutdown: Callable[[], None] = lambda: None,
@@ -108,10 +107,8 @@ class ClusterFront:
         self._waiting: set[str] = set()  # submitted, no output yet
         self._stats = combine([])
         self._refresh: asyncio.Task | None = None
-        # Replica id → (snapshot, adapter names), from the last stats round; until the first,
-        # the replicas Serve started are taken as up.
+        # Replica id → (snapshot, adapter names) of each that answered the last stats round.
         self._replicas: dict[str, tuple[EngineStats, list[str]]] = {}
-        self._replicas_up = num_replicas
         self._serve_states: dict[str, int] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -126,7 +123,7 @@ class ClusterFront:
     @property
     def healthy(self) -> bool:
         """Some replica answered the last stats round (Serve restarts the ones that die)."""
-        return self._replicas_up > 0
+        return bool(self._replicas)
 
     # ---- model info -------------------------------------------------------------------------
     def check_prompt(self, ids: list[int]) -> None:
@@ -190,7 +187,6 @@ class ClusterFront:
                 # A replica that raised is left out: it is dying, and Serve replaces it.
                 self._replicas = {rid: (s, names) for rid, s, names in
                                   (r for r in got if isinstance(r, tuple))}  # fmt: skip
-                self._replicas_up = len(self._replicas)
                 self._stats = combine([s for s, _ in self._replicas.values()])
                 self._serve_states = await asyncio.to_thread(self._replica_states)
             except Exception:  # a replica restarting: keep the last snapshot
@@ -223,7 +219,7 @@ class ClusterFront:
         except AdmissionError:
             self.on_rejected("user_limit")
             raise
-        if len(self._waiting) >= self.max_waiting * max(1, self._replicas_up):
+        if len(self._waiting) >= self.max_waiting * max(1, len(self._replicas)):
             self.on_rejected("queue_full")
             raise AdmissionError(
                 f"the cluster is at capacity ({len(self._waiting)} requests waiting)", 1
