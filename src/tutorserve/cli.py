@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tutorserve.cluster.routing import POLICIES as ROUTING_POLICIES
+from tutorserve.cluster.scaling import Scale, add_scaling_args, scale_from_args
 from tutorserve.config import add_engine_args, engine_options
 from tutorserve.engine.policy import POLICIES
 from tutorserve.models.classes import MODEL_CLASSES
@@ -149,10 +150,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if not 0 <= a.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {a.port}")
     api_key = a.api_key or os.environ.get("TUTORSERVE_API_KEY") or None
+    scale = scale_from_args(a, batch=a.max_num_seqs)
     make_tutor = _tutor_service(a)
     config = EngineConfig.from_kwargs(**engine_options(a))
-    if a.replicas:
-        server = _cluster_front(a, config)
+    if scale is not None:
+        server = _cluster_front(a, config, scale)
     else:
         server = AsyncEngine(
             lambda: LLMEngine(config),
@@ -179,32 +181,32 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_front(a: argparse.Namespace, config: Any) -> Any:
-    """`--replicas N`: the engines on Ray Serve, and their front for the server. Each replica
-    gets its share of this host's threads unless told, and of the disk tier's budget: the
-    replicas share its folder, so a session outlives the replica that served it."""
+def _cluster_front(a: argparse.Namespace, config: Any, scale: Scale) -> Any:
+    """The engines on Ray Serve, and their front for the server. Each replica gets its share
+    of this host's threads (with the most replicas it may have) unless told, and of the disk
+    tier's budget: the replicas share its folder, so a session outlives the replica that
+    served it."""
     from tutorserve.cluster.front import ClusterFront
     from tutorserve.cluster.launch import start_replicas
     from tutorserve.models.loader import load_tokenizer
 
-    if a.replicas < 1:
-        raise ValueError(f"--replicas must be at least 1, got {a.replicas}")
     options = engine_options(a)
     # Ray workers do not start in this process's working directory.
     options["kv_disk_dir"] = str(Path(options["kv_disk_dir"]).expanduser().resolve())
-    options["kv_disk_bytes"] //= a.replicas
+    options["kv_disk_bytes"] //= scale.max_replicas
     if not options.get("num_threads"):
-        options["num_threads"] = max(1, (os.cpu_count() or 1) // a.replicas)
-    handle, shutdown = start_replicas(options, replicas=a.replicas, routing=a.routing,
-                                      ray_address=a.ray_address,
-                                      cpus_per_replica=a.cpus_per_replica)  # fmt: skip
+        options["num_threads"] = max(1, (os.cpu_count() or 1) // scale.max_replicas)
+    replicas = start_replicas(options, scale=scale, routing=a.routing,
+                              ray_address=a.ray_address,
+                              cpus_per_replica=a.cpus_per_replica)  # fmt: skip
     try:
-        return ClusterFront(handle, load_tokenizer(config.model), block_size=config.block_size,
-                            num_replicas=a.replicas, max_waiting=a.max_waiting,
+        return ClusterFront(replicas.handle, load_tokenizer(config.model),
+                            adapters=replicas.adapters, block_size=config.block_size,
+                            max_waiting=a.max_waiting,
                             max_requests_per_user=a.max_requests_per_user,
-                            shutdown=shutdown)  # fmt: skip
+                            shutdown=replicas.stop)  # fmt: skip
     except BaseException:
-        shutdown()  # no Ray processes outlive a failed start
+        replicas.stop()  # no Ray processes outlive a failed start
         raise
 
 
@@ -386,12 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger bodies get 413")
     g = p.add_argument_group("cluster (engine replicas on Ray Serve)")
-    g.add_argument(
-        "--replicas",
-        type=int,
-        default=0,
-        help="engines on Ray Serve behind our router (0: one engine in this process)",
-    )
+    add_scaling_args(g)
     g.add_argument(
         "--routing",
         default="cache-aware",

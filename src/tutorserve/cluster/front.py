@@ -4,8 +4,10 @@ engine replicas on Ray Serve, so the same HTTP app serves one engine or a cluste
 Admission is decided here, before a request reaches Serve, with the single server's rules
 (a waiting cap for the cluster and a per-user cap → 429); each call carries the prompt's chained
 block hashes for the router. Prompts and structured-output grammars are checked here with the
-model's tokenizer, so a bad request never reaches a replica. A background task keeps a stats
-snapshot of the whole cluster (the replicas' counters summed) for the metrics exporter.
+model's tokenizer, so a bad request never reaches a replica. A background task asks every
+replica for its stats every few seconds: each replica's snapshot for the metrics exporter (one
+series per replica) and for `/health`, and the cluster's sum. The replica count may change
+under us (autoscaling, restarts); the waiting cap follows the replicas that answered.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
+from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from tutorserve.cluster.adapters import AdapterRegistry
 from tutorserve.engine.async_engine import (
     AdmissionError,
     EngineDeadError,
@@ -80,8 +84,8 @@ class ClusterFront:
         handle: DeploymentHandle,
         tokenizer: Tokenizer,
         *,
+        adapters: AdapterRegistry,
         block_size: int,
-        num_replicas: int,
         max_waiting: int = 256,
         max_requests_per_user: int | None = None,
         shutdown: Callable[[], None] = lambda: None,
@@ -89,7 +93,6 @@ class ClusterFront:
         self.handle = handle
         self.tokenizer = tokenizer
         self.block_size = block_size
-        self.num_replicas = num_replicas
         self.max_waiting = max_waiting
         self.users = UserCaps(max_requests_per_user)
         self.on_finished: Callable[[RequestOutput], None] = lambda out: None
@@ -98,12 +101,15 @@ class ClusterFront:
         self.max_model_len: int = info["max_model_len"]
         self.vocab_size: int = info["vocab_size"]
         self._adapters: dict[str, str] = info["lora_adapters"]
+        self._registry = adapters
         self._grammars = GrammarCompiler(tokenizer, self.vocab_size)
         self._shutdown = shutdown
         self._waiting: set[str] = set()  # submitted, no output yet
         self._stats = combine([])
         self._refresh: asyncio.Task | None = None
-        self._replicas_up = num_replicas
+        # Replica id → (snapshot, adapter names) of each that answered the last stats round.
+        self._replicas: dict[str, tuple[EngineStats, list[str]]] = {}
+        self._serve_states: dict[str, int] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -117,7 +123,7 @@ class ClusterFront:
     @property
     def healthy(self) -> bool:
         """Some replica answered the last stats round (Serve restarts the ones that die)."""
-        return self._replicas_up > 0
+        return bool(self._replicas)
 
     # ---- model info -------------------------------------------------------------------------
     def check_prompt(self, ids: list[int]) -> None:
@@ -130,11 +136,20 @@ class ClusterFront:
         return dict(self._adapters)
 
     async def load_lora(self, name: str, path: str) -> None:
-        await self._every_replica("load_lora", name, path)
+        """Registered before the broadcast, so a replica starting meanwhile loads it too."""
+        if name in self._adapters:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+        await self._registry.add(name, path)
+        try:
+            await self._every_replica("load_lora", name, path)
+        except BaseException:
+            await self._registry.remove(name)  # new replicas must not fail on what these refused
+            raise
         self._adapters[name] = path
 
     async def unload_lora(self, name: str) -> None:
         await self._every_replica("unload_lora", name)
+        await self._registry.remove(name)
         self._adapters.pop(name, None)
 
     async def _every_replica(self, method: str, *args: Any) -> None:
@@ -148,18 +163,40 @@ class ClusterFront:
     def stats(self) -> EngineStats:
         return replace(self._stats, num_waiting=self._stats.num_waiting + len(self._waiting))
 
+    def replica_stats(self) -> dict[str, EngineStats]:
+        """Each replica's snapshot (of those that answered the last round), by replica id."""
+        return {rid: stats for rid, (stats, _) in self._replicas.items()}
+
+    def health(self) -> dict[str, Any]:
+        """Each replica that answered the last stats round, and Serve's count of the
+        deployment's replicas by state (those starting or stopping included)."""
+        return {
+            "replicas": {
+                rid: {"running": s.num_running, "waiting": s.num_waiting, "adapters": names}
+                for rid, (s, names) in sorted(self._replicas.items())
+            },
+            "serve_replica_states": dict(self._serve_states),
+        }
+
     async def _refresh_stats(self) -> None:
         while True:
             try:
                 got = await self.handle.broadcast("stats").results_async(
                     timeout_s=10, return_exceptions=True
                 )
-                answers = [s for _, s in (r for r in got if isinstance(r, tuple))]
-                self._replicas_up = len(answers)
-                self._stats = combine(answers)
+                # A replica that raised is left out: it is dying, and Serve replaces it.
+                self._replicas = {rid: (s, names) for rid, s, names in
+                                  (r for r in got if isinstance(r, tuple))}  # fmt: skip
+                self._stats = combine([s for s, _ in self._replicas.values()])
+                self._serve_states = await asyncio.to_thread(self._replica_states)
             except Exception:  # a replica restarting: keep the last snapshot
                 log.debug("cluster stats not refreshed", exc_info=True)
             await asyncio.sleep(_STATS_PERIOD_S)
+
+    def _replica_states(self) -> dict[str, int]:
+        app = serve.status().applications[self.handle.app_name]
+        states = app.deployments[self.handle.deployment_name].replica_states
+        return dict(states)
 
     # ---- requests -----------------------------------------------------------------------------
     def submit(
@@ -182,7 +219,7 @@ class ClusterFront:
         except AdmissionError:
             self.on_rejected("user_limit")
             raise
-        if len(self._waiting) >= self.max_waiting * self.num_replicas:
+        if len(self._waiting) >= self.max_waiting * max(1, len(self._replicas)):
             self.on_rejected("queue_full")
             raise AdmissionError(
                 f"the cluster is at capacity ({len(self._waiting)} requests waiting)", 1

@@ -1,22 +1,25 @@
 """Start engine replicas on Ray Serve: join the cluster at `ray_address` (or `RAY_ADDRESS`), or
 start a local Ray instance that lives as long as this process (the embedded default). Serve's
 own HTTP proxy stays off: our server is the ingress, and reaches the replicas through a
-deployment handle, so Serve's router (ours, `router.py`) picks each request's replica."""
+deployment handle, so Serve's router (ours, `router.py`) picks each request's replica. The
+replica count is fixed or Serve's autoscaler's (`scaling.py`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from tutorserve.cluster.adapters import AdapterRegistry
 from tutorserve.cluster.replica import EngineReplica
 from tutorserve.cluster.router import TutorserveRouter
+from tutorserve.cluster.scaling import Scale
 
 log = logging.getLogger(__name__)
 APP = "tutorserve"
@@ -25,16 +28,21 @@ APP = "tutorserve"
 _MAX_ONGOING = 4096
 
 
+class Replicas(NamedTuple):
+    handle: DeploymentHandle
+    adapters: AdapterRegistry
+    stop: Callable[[], None]  # stops the replicas, and the local Ray instance if we started it
+
+
 def start_replicas(
     engine_options: dict[str, Any],
     *,
-    replicas: int,
+    scale: Scale,
     routing: str,
     ray_address: str | None = None,
     cpus_per_replica: float | None = None,
-) -> tuple[DeploymentHandle, Callable[[], None]]:
-    """A handle to `replicas` engines, each built from `engine_options`, and a function that
-    stops them (and the local Ray instance, if this call started it)."""
+) -> Replicas:
+    """Engines built from `engine_options`, as many as `scale` says, on Ray Serve."""
     address = ray_address or os.environ.get("RAY_ADDRESS")
     own = address is None
     if own:
@@ -43,11 +51,12 @@ def start_replicas(
         ray.init(address=address, log_to_driver=False)
     try:
         serve.start(proxy_location="Disabled")
-        cpus = cpus_per_replica or max(0.1, (os.cpu_count() or 1) / replicas)
+        adapters = AdapterRegistry()  # before any replica starts: each reads it
+        cpus = cpus_per_replica or max(0.1, (os.cpu_count() or 1) / scale.max_replicas)
         deployment = serve.deployment(
             EngineReplica,
             name="engine",
-            num_replicas=replicas,
+            **scale.deployment_options(),
             ray_actor_options={"num_cpus": cpus},
             max_ongoing_requests=_MAX_ONGOING,
             health_check_period_s=5,
@@ -63,8 +72,8 @@ def start_replicas(
     except BaseException:
         _stop(own)
         raise
-    log.info("%d engine replicas on Ray Serve, routing %s", replicas, routing)
-    return handle, lambda: _stop(own)
+    log.info("%s on Ray Serve, routing %s", scale.describe(), routing)
+    return Replicas(handle, adapters, lambda: _stop(own))
 
 
 def _stop(own_ray: bool) -> None:

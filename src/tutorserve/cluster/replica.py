@@ -1,6 +1,7 @@
 """One engine on a Ray Serve replica: the same `AsyncEngine` a single server runs (its own
 engine thread, one OpenMP team), reached through Serve's handle calls. Admission is decided at
-the ingress (`ClusterFront`), so a replica queues whatever Serve routes to it."""
+the ingress (`ClusterFront`), so a replica queues whatever Serve routes to it. A replica loads
+the adapters registered at run time (`adapters.py`) before its engine takes a request."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from ray import serve
 
+from tutorserve.cluster.adapters import registered_adapters
 from tutorserve.config import EngineConfig
 from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.engine.engine import LLMEngine
@@ -24,7 +26,15 @@ class EngineReplica:
         # Replicas share the disk tier's folder: a session's KV goes to disk as each turn ends,
         # so if this replica dies another one resumes the session from there.
         config = EngineConfig.from_kwargs(**engine_options | {"session_write_through": True})
-        self.server = AsyncEngine(lambda: LLMEngine(config), max_waiting=_UNBOUNDED)
+        self._registered = registered_adapters()
+
+        def build() -> LLMEngine:
+            engine = LLMEngine(config)
+            for name, path in self._registered.items():
+                engine.load_lora(name, path)
+            return engine
+
+        self.server = AsyncEngine(build, max_waiting=_UNBOUNDED)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._started = False
 
@@ -66,11 +76,15 @@ class EngineReplica:
             "lora_adapters": self.server.lora_adapters(),
         }
 
-    async def stats(self) -> tuple[str, EngineStats]:
-        return self.replica, self.server.stats()
+    async def stats(self) -> tuple[str, EngineStats, list[str]]:
+        """This replica's id, engine snapshot and adapter names."""
+        return self.replica, self.server.stats(), sorted(self.server.lora_adapters())
 
     async def load_lora(self, name: str, path: str) -> None:
         await self._start()
+        # A replica that started between the registry's entry and the broadcast has it already.
+        if self._registered.get(name) == path and name in self.server.lora_adapters():
+            return
         await self.server.load_lora(name, path)
 
     async def unload_lora(self, name: str) -> None:

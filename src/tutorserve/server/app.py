@@ -157,7 +157,10 @@ def build_app(
     server: AsyncEngine, settings: ServerSettings, tutor: TutorService | None = None
 ) -> FastAPI:
     serving = OpenAIServing(server, settings.model_name)
-    exporter = EngineMetrics(server.stats)
+    # A cluster front (`ClusterFront`) also reports each replica: its metrics and health.
+    replica_stats = getattr(server, "replica_stats", None)
+    cluster_health = getattr(server, "health", None)
+    exporter = EngineMetrics(server.stats, replica_stats)
     server.on_finished, server.on_rejected = exporter.observe_finished, exporter.observe_rejected
     if tutor is not None:
         exporter.registry.register(TutorCollector(tutor))
@@ -328,9 +331,16 @@ def build_app(
 
     @app.get("/health", response_model=HealthResponse, responses=error_responses(503))
     async def health() -> Any:
+        """200 while the engine runs (a cluster: while some replica answers)."""
         if not server.healthy:
-            return _error(503, "the engine loop is not running", "server_error")
-        return HealthResponse(tutor=tutor.health() if tutor is not None else None)
+            reason = (
+                "no engine replica answers" if cluster_health else "the engine loop is not running"
+            )
+            return _error(503, reason, "server_error")
+        return HealthResponse(
+            tutor=tutor.health() if tutor is not None else None,
+            cluster=cluster_health() if cluster_health else None,
+        )
 
     @app.get(
         "/metrics",

@@ -9,6 +9,7 @@ Each server owns its registry, so several servers can live in one process (tests
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -30,104 +31,139 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 
 
+# The engine snapshots to export, by their label values: one engine's under no labels, or each
+# replica's under its id.
+Snapshots = Callable[[], dict[tuple[str, ...], EngineStats]]
+_M = TypeVar("_M", GaugeMetricFamily, CounterMetricFamily, SummaryMetricFamily)
+
+
 class _EngineStateCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
-        self.stats = stats
+    """Engine state as gauges and counters; every sample carries `labels` first (none for one
+    engine, `replica` in a cluster, so a replica's counters restart with it without making
+    the cluster's sum go backwards)."""
+
+    def __init__(self, snapshots: Snapshots, labels: list[str]) -> None:
+        self.snapshots, self.labels = snapshots, labels
+
+    def _family(self, kind: Callable[..., _M], name: str, doc: str, *more: str) -> _M:
+        return kind(_P + name, doc, labels=[*self.labels, *more])
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats()
-        yield GaugeMetricFamily(
-            _P + "num_requests_running", "Requests in the running batch.", value=s.num_running
+        snaps = self.snapshots()
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        running = self._family(gauge, "num_requests_running", "Requests in the running batch.")
+        waiting = self._family(
+            gauge, "num_requests_waiting", "Accepted requests waiting to be scheduled."
         )
-        yield GaugeMetricFamily(
-            _P + "num_requests_waiting",
-            "Accepted requests waiting to be scheduled.",
-            value=s.num_waiting,
-        )
-        blocks = GaugeMetricFamily(
-            _P + "kv_cache_blocks",
+        blocks = self._family(
+            gauge,
+            "kv_cache_blocks",
             "KV cache blocks by state: used (held by a request), cached (free but keeping a "
             "prefix for reuse), empty.",
-            labels=["state"],
+            "state",
         )
-        blocks.add_metric(["used"], s.kv_blocks_used)
-        blocks.add_metric(["cached"], s.kv_blocks_cached)
-        blocks.add_metric(["empty"], s.kv_blocks_empty)
-        yield blocks
-        yield GaugeMetricFamily(
-            _P + "kv_cache_usage_perc",
-            "Fraction of KV cache blocks held by requests.",
-            value=s.kv_blocks_used / s.kv_blocks,
+        usage = self._family(
+            gauge, "kv_cache_usage_perc", "Fraction of KV cache blocks held by requests."
         )
-        yield CounterMetricFamily(
-            _P + "prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache.",
-            value=s.prefix_query_tokens,
+        queries = self._family(
+            counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
-        yield CounterMetricFamily(
-            _P + "prefix_cache_hits",
-            "Prompt tokens found in the prefix cache.",
-            value=s.prefix_hit_tokens,
+        hits = self._family(
+            counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
-        yield CounterMetricFamily(
-            _P + "num_preemptions",
-            "Requests preempted to free KV blocks.",
-            value=s.num_preemptions,
+        preempted = self._family(
+            counter, "num_preemptions", "Requests preempted to free KV blocks."
         )
-        for name, doc, value in (
-            ("num_drafts", "Decode rows that verified drafted tokens.", s.spec.num_drafts),
-            ("num_draft_tokens", "Tokens drafted.", s.spec.num_draft_tokens),
-            ("num_accepted_tokens", "Drafted tokens accepted.", s.spec.num_accepted_tokens),
-        ):
-            yield CounterMetricFamily(_P + "spec_decode_" + name, "Speculative decoding: " + doc,
-                                      value=value)  # fmt: skip
-        per_pos = CounterMetricFamily(
-            _P + "spec_decode_num_accepted_tokens_per_pos",
+        spec = {
+            name: self._family(counter, "spec_decode_" + name, "Speculative decoding: " + doc)
+            for name, doc in (
+                ("num_drafts", "Decode rows that verified drafted tokens."),
+                ("num_draft_tokens", "Tokens drafted."),
+                ("num_accepted_tokens", "Drafted tokens accepted."),
+            )
+        }
+        per_pos = self._family(
+            counter,
+            "spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: drafts whose token at this position was accepted.",
-            labels=["position"],
+            "position",
         )
-        for i, n in enumerate(s.spec.accepted_per_position):
-            per_pos.add_metric([str(i)], n)
+        for key, s in snaps.items():
+            k = list(key)
+            running.add_metric(k, s.num_running)
+            waiting.add_metric(k, s.num_waiting)
+            blocks.add_metric([*k, "used"], s.kv_blocks_used)
+            blocks.add_metric([*k, "cached"], s.kv_blocks_cached)
+            blocks.add_metric([*k, "empty"], s.kv_blocks_empty)
+            usage.add_metric(k, s.kv_blocks_used / s.kv_blocks)
+            queries.add_metric(k, s.prefix_query_tokens)
+            hits.add_metric(k, s.prefix_hit_tokens)
+            preempted.add_metric(k, s.num_preemptions)
+            for name, family in spec.items():
+                family.add_metric(k, getattr(s.spec, name))
+            for i, n in enumerate(s.spec.accepted_per_position):
+                per_pos.add_metric([*k, str(i)], n)
+        yield from (running, waiting, blocks, usage, queries, hits, preempted, *spec.values())
         yield per_pos
-        if s.tiers:
-            yield from _tier_metrics(s.tiers)
+        tiers = {key: s.tiers for key, s in snaps.items() if s.tiers}
+        if tiers:
+            yield from self._tier_metrics(tiers)
 
-
-def _tier_metrics(tiers: tuple[TierSnapshot, ...]) -> Iterator[Metric]:
-    """Per KV tier (ram, disk): lookups, traffic, restore latency and occupancy."""
-    counters = {
-        "hits": ("KV blocks restored from the tier instead of recomputed.", "hits"),
-        "misses": ("Requests whose cached prefix ran out in the tier.", "misses"),
-        "bytes_in": ("Bytes written into the tier.", "bytes_in"),
-        "bytes_out": ("Bytes read out of the tier.", "bytes_out"),
-        "errors": ("Corrupt, truncated or foreign blocks dropped and recomputed.", "errors"),
-        "dropped_writes": ("Blocks not stored: over budget or writer backlog.", "dropped_writes"),
-    }
-    for name, (doc, attr) in counters.items():
-        family = CounterMetricFamily(_P + f"kv_tier_{name}", doc, labels=["tier"])
-        for t in tiers:
-            family.add_metric([t.name], getattr(t, attr))
-        yield family
-    load = SummaryMetricFamily(
-        _P + "kv_tier_load_seconds",
-        "Time to restore one request's run of blocks from the tier (disk: read into RAM).",
-        labels=["tier"],
-    )
-    used = GaugeMetricFamily(_P + "kv_tier_usage_bytes", "Bytes held.", labels=["tier"])
-    cap = GaugeMetricFamily(_P + "kv_tier_capacity_bytes", "Byte budget.", labels=["tier"])
-    blocks = GaugeMetricFamily(_P + "kv_tier_blocks", "Blocks held.", labels=["tier"])
-    for t in tiers:
-        load.add_metric([t.name], t.loads, t.load_seconds)
-        used.add_metric([t.name], t.used_bytes)
-        cap.add_metric([t.name], t.capacity_bytes)
-        blocks.add_metric([t.name], t.blocks)
-    yield from (load, used, cap, blocks)
+    def _tier_metrics(
+        self, tiers: dict[tuple[str, ...], tuple[TierSnapshot, ...]]
+    ) -> Iterator[Metric]:
+        """Per KV tier (ram, disk): lookups, traffic, restore latency and occupancy."""
+        counters = {
+            "hits": "KV blocks restored from the tier instead of recomputed.",
+            "misses": "Requests whose cached prefix ran out in the tier.",
+            "bytes_in": "Bytes written into the tier.",
+            "bytes_out": "Bytes read out of the tier.",
+            "errors": "Corrupt, truncated or foreign blocks dropped and recomputed.",
+            "dropped_writes": "Blocks not stored: over budget or writer backlog.",
+        }
+        families = {
+            name: self._family(CounterMetricFamily, f"kv_tier_{name}", doc, "tier")
+            for name, doc in counters.items()
+        }
+        load = self._family(
+            SummaryMetricFamily,
+            "kv_tier_load_seconds",
+            "Time to restore one request's run of blocks from the tier (disk: read into RAM).",
+            "tier",
+        )
+        used = self._family(GaugeMetricFamily, "kv_tier_usage_bytes", "Bytes held.", "tier")
+        cap = self._family(GaugeMetricFamily, "kv_tier_capacity_bytes", "Byte budget.", "tier")
+        blocks = self._family(GaugeMetricFamily, "kv_tier_blocks", "Blocks held.", "tier")
+        for key, snapshot in tiers.items():
+            for t in snapshot:
+                k = [*key, t.name]
+                for name, family in families.items():
+                    family.add_metric(k, getattr(t, name))
+                load.add_metric(k, t.loads, t.load_seconds)
+                used.add_metric(k, t.used_bytes)
+                cap.add_metric(k, t.capacity_bytes)
+                blocks.add_metric(k, t.blocks)
+        yield from (*families.values(), load, used, cap, blocks)
 
 
 class EngineMetrics:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    """`replica_stats`, where the server fronts a cluster: each replica's snapshot by its id,
+    exported under a `replica` label; otherwise `stats`, the one engine's, unlabelled."""
+
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        replica_stats: Callable[[], dict[str, EngineStats]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStateCollector(stats))
+        if replica_stats is None:
+            collector = _EngineStateCollector(lambda: {(): stats()}, [])
+        else:
+            per_replica = replica_stats
+            collector = _EngineStateCollector(
+                lambda: {(rid,): s for rid, s in per_replica().items()}, ["replica"]
+            )
+        self.registry.register(collector)
         r = self.registry
         self.ttft = Histogram(
             _P + "time_to_first_token_seconds",

@@ -388,6 +388,9 @@ class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
     # Each tutor model endpoint's circuit breaker (state, calls and failures in its window).
     tutor: dict[str, Any] | None = None
+    # With engine replicas: each that answered the last stats round (its running and waiting
+    # requests and adapters, by replica id), and Serve's count of replicas by state.
+    cluster: dict[str, Any] | None = None
 
 
 # ---- vLLM's /tokenize and /detokenize -------------------------------------------------------
