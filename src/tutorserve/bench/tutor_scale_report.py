@@ -1,6 +1,6 @@
 """`tutorserve bench tutor-scale`: runs `tutor_scale` and prints its tables:
 tokens and latency per feature set against the baseline, tokens by tier, and latency under a
-failing large model against the healthy one."""
+failing large model against the healthy one; a plot of tokens and latency per feature set."""
 
 from __future__ import annotations
 
@@ -76,6 +76,34 @@ def degradation(results: list[Result]) -> str:
     return "\n".join(out)
 
 
+def plot(results: list[Result], path: Path) -> None:
+    """Per class size: model tokens per solved problem, and p50/p90 turn latency, per feature
+    set (the baseline first)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r.students for r in results})
+    fig, axes = plt.subplots(len(sizes), 2, figsize=(12, 3.2 * len(sizes)), squeeze=False)
+    for row, n in zip(axes, sizes, strict=True):
+        runs = [r for r in results if r.students == n]
+        labels = [r.features.label for r in runs]
+        y = range(len(runs))
+        row[0].barh(y, [r.tokens / max(1, r.solved) for r in runs], color="tab:blue")
+        row[0].set(yticks=list(y), yticklabels=labels, xlabel="model tokens per solved problem",
+                   title=f"{n} students per course")  # fmt: skip
+        row[1].barh([i + 0.2 for i in y], [r.p(0.9) / 1000 for r in runs], 0.4, label="p90")
+        row[1].barh([i - 0.2 for i in y], [r.p(0.5) / 1000 for r in runs], 0.4, label="p50")
+        row[1].set(yticks=list(y), yticklabels=[], xlabel="turn latency, s")
+        row[1].legend()
+        for ax in row:
+            ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def as_json(results: list[Result]) -> dict[str, Any]:
     return {
         "endpoints": {"small": asdict(SMALL), "large": asdict(LARGE)},
@@ -96,6 +124,7 @@ def run_report(
     if students:
         results = run_scale_bench(students, problems)
         (out / "tutor-scale.json").write_text(json.dumps(as_json(results), indent=1))
+        plot(results, out / "tutor-scale.png")
         print(table(results))
         print()
         print(tier_table(results))
@@ -104,6 +133,7 @@ def run_report(
     if engine:
         real = run_engine_bench(engine, engine_students, problems)
         (out / "tutor-scale-engine.json").write_text(json.dumps(as_json(real), indent=1))
+        plot(real, out / "tutor-scale-engine.png")
         print(f"\non the engine ({engine}), both tiers one model:")
         print(table(real))
         print()
