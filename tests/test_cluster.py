@@ -152,6 +152,7 @@ class InProcessCluster:
         import uvicorn
 
         from tutorserve.cli import _cluster_front, build_parser
+        from tutorserve.cluster.scaling import scale_from_args
         from tutorserve.config import EngineConfig, engine_options
         from tutorserve.server.app import ServerSettings, build_app
 
@@ -159,7 +160,8 @@ class InProcessCluster:
             "serve", "--model", model, "--replicas", "2", "--routing", routing, "--no-tutor",
             "--num-kv-blocks", "2048", "--dtype", "float32", "--kv-disk-dir", str(kv_dir),
         ])  # fmt: skip
-        self.front = _cluster_front(a, EngineConfig.from_kwargs(**engine_options(a)))
+        config = EngineConfig.from_kwargs(**engine_options(a))
+        self.front = _cluster_front(a, config, scale_from_args(a, batch=a.max_num_seqs))
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         config = uvicorn.Config(build_app(self.front, ServerSettings("tiny")), port=port,
@@ -174,7 +176,7 @@ class InProcessCluster:
 
     def replica_stats(self):
         got = self.front.handle.broadcast("stats").results(timeout_s=30, return_exceptions=True)
-        return dict(r for r in got if isinstance(r, tuple))
+        return {rid: stats for rid, stats, _ in (r for r in got if isinstance(r, tuple))}
 
     def kill(self, replica):
         import ray
