@@ -39,3 +39,7 @@ class Proposer(ABC):
 
     def feedback(self, scope: bytes, drafted: int, accepted: int) -> None:  # noqa: B027
         """How many of a request's drafted tokens the model kept."""
+
+    def release(self, request: str) -> None:  # noqa: B027
+        """The request finished, was aborted or was preempted: drop what is kept for it alone
+        (a draft model's KV); a later `propose` for it starts over."""

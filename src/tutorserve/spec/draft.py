@@ -1,0 +1,190 @@
+"""Draft-model speculation: a smaller model with the target's tokenizer drafts the next tokens
+greedily, over its own paged KV cache (`--speculative draft:<model>`).
+
+The draft keeps, per request, the tokens whose K/V it has written. Each proposal first rolls
+that back to the longest prefix the request's tokens still share (the engine kept some drafts
+and rejected the rest), computes what the request gained since (its prompt, the first time, in
+chunks), then decodes `k` tokens one at a time. Greedy drafts are a deterministic function of
+the request's tokens, so verification (`engine/sampler.py: verify`, rejection sampling with a
+one-hot draft distribution) keeps the target's output exact, greedy or sampled, and the draft
+draws no random numbers: seeded runs stay reproducible.
+
+Its KV lives in its own pool of blocks, as many as the target's, the engine's KV byte budget
+split between the two (`engine.py`): every token the target can hold, the draft can too. The
+pool is not shared with the target's because the target's blocks are admitted, preempted and
+prefix-cached by the scheduler, while the draft's may be dropped at any time at no cost to
+exactness. vLLM and SGLang instead give the draft the target's block tables; that saves the
+second allocator but ties the draft to the scheduler's accounting.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tutorserve.layers.attention import AttentionBatch, PrefillSpan, StepContext, select_backend
+from tutorserve.layers.attention.context import reset_context, set_context
+from tutorserve.models.llama import LlamaForCausalLM
+from tutorserve.models.loader import load_model
+from tutorserve.models.tokenizer import Tokenizer
+from tutorserve.spec.proposer import Proposer
+
+log = logging.getLogger(__name__)
+_CHUNK = 512  # tokens per forward when the draft catches up on a prompt
+
+
+@dataclass(slots=True)
+class _DraftKV:
+    """One request's K/V in the draft's cache: `tokens[i]` is written at position i; the first
+    `fixed` of them are the request's own (never rolled back), the rest are drafts."""
+
+    tokens: list[int] = field(default_factory=list)
+    fixed: int = 0
+    table: list[int] = field(default_factory=list)
+
+
+class DraftProposer(Proposer):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        vocab_size: int,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+    ) -> None:
+        """`vocab_size`: the target's; the draft never proposes an id beyond it."""
+        self.model, self.vocab_size, self.block_size = model, vocab_size, block_size
+        cfg = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+        self.backend = select_backend(self.device, self.dtype, kv_dtype, cfg.head_dim)
+        self.num_blocks = num_blocks
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() is O(1)
+        self.requests: dict[str, _DraftKV] = {}
+        self.workspace: dict[str, torch.Tensor] = {}
+        log.info(
+            "draft KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks,
+            block_size,
+            2 * self.k_cache.numel() * self.k_cache.element_size() / 2**20,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        name: str,
+        target_tokenizer: Tokenizer,
+        target_vocab: int,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+    ) -> DraftProposer:
+        """The draft model `name` (resolved as `--model` is: a registered name, a HF folder or
+        a GGUF file); ValueError unless it shares the target's vocabulary and context."""
+        model, tokenizer = load_model(name, dtype, device, "auto")
+        check_draft(name, tokenizer, model.config.max_position_embeddings,
+                    target_tokenizer, max_model_len)  # fmt: skip
+        return cls(model, target_vocab, num_blocks, block_size, kv_dtype)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def propose(self, request: str, scope: bytes, tokens: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        kv = self.requests.setdefault(request, _DraftKV())
+        keep = min(kv.fixed, len(tokens) - 1)
+        while keep < min(len(kv.tokens), len(tokens) - 1) and kv.tokens[keep] == tokens[keep]:
+            keep += 1
+        del kv.tokens[keep:]
+        # Positions up to len(tokens) + k - 2 are written: the last draft's K/V is not needed.
+        if not self._reserve(kv, len(tokens) + k - 1):
+            return []  # the pool is full: no drafts this step (speculation is optional)
+        for start in range(keep, len(tokens), _CHUNK):
+            logits = self._forward(kv, tokens[start : start + _CHUNK])
+        kv.fixed = len(tokens)
+        drafts = [self._greedy(logits)]
+        while len(drafts) < k:
+            drafts.append(self._greedy(self._forward(kv, drafts[-1:])))
+        return drafts
+
+    def release(self, request: str) -> None:
+        kv = self.requests.pop(request, None)
+        if kv is not None:
+            self.free.extend(reversed(kv.table))
+
+    def _reserve(self, kv: _DraftKV, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` positions, no more: ones past them (rejected drafts') go
+        back. False, changing nothing, when the pool cannot give enough."""
+        need = -(-num_tokens // self.block_size)
+        extra = need - len(kv.table)
+        if extra > len(self.free):
+            return False
+        if extra < 0:
+            self.free.extend(reversed(kv.table[need:]))
+            del kv.table[need:]
+        for _ in range(extra):
+            kv.table.append(self.free.pop())
+        return True
+
+    def _greedy(self, logits: torch.Tensor) -> int:
+        return int(logits[: self.vocab_size].argmax())
+
+    @torch.inference_mode()
+    def _forward(self, kv: _DraftKV, new: list[int]) -> torch.Tensor:
+        """Write the K/V of `new` after the request's cached tokens; the logits of the last."""
+        bs, dev, start = self.block_size, self.device, len(kv.tokens)
+        end = start + len(new)
+        table = kv.table[: -(-end // bs)]
+        pos = np.arange(start, end)
+        attn = AttentionBatch(bs, dev, self.dtype, [], [], None, [], False)
+        if len(new) == 1:
+            attn.decode_tables, attn.decode_lens = [table], [end]
+        else:
+            attn.prefills.append(PrefillSpan(0, len(new), start, table))
+        ctx = StepContext(
+            slot_mapping=torch.as_tensor(np.asarray(table)[pos // bs] * bs + pos % bs, device=dev),
+            backend=self.backend,
+            attention=self.backend.build(attn),
+            workspace=self.workspace,
+        )
+        set_context(ctx)
+        try:
+            hidden = self.model(torch.as_tensor(new, device=dev), torch.as_tensor(pos, device=dev))
+        finally:
+            reset_context()
+        kv.tokens.extend(new)
+        return self.model.compute_logits(hidden[-1:])[0]
+
+
+def check_draft(
+    name: str,
+    tokenizer: Tokenizer,
+    max_positions: int,
+    target_tokenizer: Tokenizer,
+    max_model_len: int,
+) -> None:
+    """ValueError unless the draft reads and writes the target's token ids, over its context."""
+    if tokenizer.backend.get_vocab() != target_tokenizer.backend.get_vocab():
+        raise ValueError(
+            f"draft model {name!r} has another vocabulary than the target's "
+            f"({tokenizer.vocab_size} vs {target_tokenizer.vocab_size} tokens): a draft must "
+            "share the target's tokenizer"
+        )
+    if max_positions < max_model_len:
+        raise ValueError(
+            f"draft model {name!r} holds {max_positions} positions, below max_model_len "
+            f"{max_model_len}: lower --max-model-len or pick another draft"
+        )
