@@ -27,6 +27,7 @@ import torch
 
 from tutorserve.layers.attention import AttentionBatch, PrefillSpan, StepContext, select_backend
 from tutorserve.layers.attention.context import reset_context, set_context
+from tutorserve.models.config import ModelConfig
 from tutorserve.models.llama import LlamaForCausalLM
 from tutorserve.models.loader import load_model
 from tutorserve.models.tokenizer import Tokenizer
@@ -93,8 +94,7 @@ class DraftProposer(Proposer):
         """The draft model `name` (resolved as `--model` is: a registered name, a HF folder or
         a GGUF file); ValueError unless it shares the target's vocabulary and context."""
         model, tokenizer = load_model(name, dtype, device, "auto")
-        check_draft(name, tokenizer, model.config.max_position_embeddings,
-                    target_tokenizer, max_model_len)  # fmt: skip
+        check_draft(name, tokenizer, model.config, target_tokenizer, target_vocab, max_model_len)
         return cls(model, target_vocab, num_blocks, block_size, kv_dtype)
 
     @property
@@ -172,17 +172,26 @@ class DraftProposer(Proposer):
 def check_draft(
     name: str,
     tokenizer: Tokenizer,
-    max_positions: int,
+    config: ModelConfig,
     target_tokenizer: Tokenizer,
+    target_vocab: int,
     max_model_len: int,
 ) -> None:
-    """ValueError unless the draft reads and writes the target's token ids, over its context."""
+    """ValueError unless the draft reads and writes the target's token ids, over its context.
+    Its embedding may have more rows than the target's (checkpoints pad them differently), not
+    fewer: every id the target may see or emit must be one the draft can read."""
     if tokenizer.backend.get_vocab() != target_tokenizer.backend.get_vocab():
         raise ValueError(
             f"draft model {name!r} has another vocabulary than the target's "
             f"({tokenizer.vocab_size} vs {target_tokenizer.vocab_size} tokens): a draft must "
             "share the target's tokenizer"
         )
+    if config.vocab_size < target_vocab:
+        raise ValueError(
+            f"draft model {name!r} embeds {config.vocab_size} token ids, fewer than the "
+            f"target's {target_vocab}"
+        )
+    max_positions = config.max_position_embeddings
     if max_positions < max_model_len:
         raise ValueError(
             f"draft model {name!r} holds {max_positions} positions, below max_model_len "
