@@ -122,6 +122,19 @@ def test_draft_kv_rolls_back_to_the_accepted_tokens_and_stays_in_its_pool(synth_
     assert proposer.num_free_blocks == 6 and not proposer.requests
 
 
+def test_drafts_of_a_batch_equal_each_rows_own(synth_llama, mixed_prompts):
+    """Rows drafted together (decode rows and prompt catch-ups in one forward, rows dropping
+    out at their own k) get the drafts each gets alone."""
+    model, _ = load_model(synth_llama, torch.float32, torch.device("cpu"))
+    together, alone = (DraftProposer(model, 512, 64, 16, torch.float32) for _ in range(2))
+    rows = [(f"r{i}", b"", p, 1 + i % 4) for i, p in enumerate(mixed_prompts[:6])]
+    for _ in range(3):  # the first round catches up on prompts; later ones decode
+        got = together.propose_batch(rows)
+        assert got == [alone.propose(*row) for row in rows]
+        assert [len(d) for d in got] == [k for *_, k in rows]
+        rows = [(r, s, [*t, *d[:1], 7], k) for (r, s, t, k), d in zip(rows, got, strict=True)]
+
+
 def test_the_draft_kv_comes_out_of_the_engines_kv_budget(synth_llama, drafts):
     budget = 1 << 20
     plain = LLM(synth_llama, dtype="float32", kv_cache_bytes=budget)

@@ -351,6 +351,7 @@ class LLMEngine:
         cfg, running = self.config, self.scheduler.running
         if len(running) > cfg.speculative_disable_by_batch_size:
             return
+        rows, seqs = [], []
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.params.draftable:
                 continue  # still prefilling, or its logits are processed row by row
@@ -361,9 +362,11 @@ class LLMEngine:
                 self.max_model_len - seq.num_tokens - 1,
             )
             if room > 0:
-                seq.spec_token_ids = self.proposer.propose(
-                    seq.request_id, seq.spec_scope, seq.token_ids, room
-                )
+                rows.append((seq.request_id, seq.spec_scope, seq.token_ids, room))
+                seqs.append(seq)
+        if rows:
+            for seq, drafts in zip(seqs, self.proposer.propose_batch(rows), strict=True):
+                seq.spec_token_ids = drafts
 
     def _append(self, seq: Sequence, tokens: list[int], now: float) -> RequestOutput:
         p = seq.params

@@ -102,22 +102,35 @@ class DraftProposer(Proposer):
         return len(self.free)
 
     def propose(self, request: str, scope: bytes, tokens: list[int], k: int) -> list[int]:
-        if k <= 0:
-            return []
-        kv = self.requests.setdefault(request, _DraftKV())
-        keep = min(kv.fixed, len(tokens) - 1)
-        while keep < min(len(kv.tokens), len(tokens) - 1) and kv.tokens[keep] == tokens[keep]:
-            keep += 1
-        del kv.tokens[keep:]
-        # Positions up to len(tokens) + k - 2 are written: the last draft's K/V is not needed.
-        if not self._reserve(kv, len(tokens) + k - 1):
-            return []  # the pool is full: no drafts this step (speculation is optional)
-        for start in range(keep, len(tokens), _CHUNK):
-            logits = self._forward(kv, tokens[start : start + _CHUNK])
-        kv.fixed = len(tokens)
-        drafts = [self._greedy(logits)]
-        while len(drafts) < k:
-            drafts.append(self._greedy(self._forward(kv, drafts[-1:])))
+        return self.propose_batch([(request, scope, tokens, k)])[0]
+
+    def propose_batch(self, rows: list[tuple[str, bytes, list[int], int]]) -> list[list[int]]:
+        """All rows' drafts together: one forward for what each row gained since its last
+        proposal, then one per draft position (a row drops out once it has its `k`)."""
+        drafts: list[list[int]] = [[] for _ in rows]
+        live: list[tuple[int, _DraftKV, int]] = []
+        catch_up: list[tuple[_DraftKV, list[int]]] = []
+        for i, (request, _, tokens, k) in enumerate(rows):
+            if k <= 0:
+                continue
+            kv = self._rollback(request, tokens)
+            # Positions up to len(tokens) + k - 2 are written: the last draft's K/V is not read.
+            if not self._reserve(kv, len(tokens) + k - 1):
+                continue  # the pool is full: no drafts this step (speculation is optional)
+            while len(tokens) - len(kv.tokens) > _CHUNK:  # a long prompt, the first time
+                self._forward([(kv, tokens[len(kv.tokens) : len(kv.tokens) + _CHUNK])])
+            kv.fixed = len(tokens)
+            live.append((i, kv, k))
+            catch_up.append((kv, tokens[len(kv.tokens) :]))
+        if not live:
+            return drafts
+        picks = self._greedy(self._forward(catch_up))
+        while live:
+            for (i, _, _), pick in zip(live, picks, strict=True):
+                drafts[i].append(pick)
+            live = [(i, kv, k) for i, kv, k in live if len(drafts[i]) < k]
+            if live:
+                picks = self._greedy(self._forward([(kv, drafts[i][-1:]) for i, kv, _ in live]))
         return drafts
 
     def release(self, request: str) -> None:
@@ -139,34 +152,58 @@ class DraftProposer(Proposer):
             kv.table.append(self.free.pop())
         return True
 
-    def _greedy(self, logits: torch.Tensor) -> int:
-        return int(logits[: self.vocab_size].argmax())
+    def _rollback(self, request: str, tokens: list[int]) -> _DraftKV:
+        """The request's draft KV, cut to the longest prefix of `tokens` it holds (the drafts
+        the engine kept), and short of the last token, whose logits the drafting starts from."""
+        kv = self.requests.setdefault(request, _DraftKV())
+        keep = min(kv.fixed, len(tokens) - 1)
+        while keep < min(len(kv.tokens), len(tokens) - 1) and kv.tokens[keep] == tokens[keep]:
+            keep += 1
+        del kv.tokens[keep:]
+        return kv
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        return logits[:, : self.vocab_size].argmax(dim=-1).tolist()
 
     @torch.inference_mode()
-    def _forward(self, kv: _DraftKV, new: list[int]) -> torch.Tensor:
-        """Write the K/V of `new` after the request's cached tokens; the logits of the last."""
-        bs, dev, start = self.block_size, self.device, len(kv.tokens)
-        end = start + len(new)
-        table = kv.table[: -(-end // bs)]
-        pos = np.arange(start, end)
+    def _forward(self, rows: list[tuple[_DraftKV, list[int]]]) -> torch.Tensor:
+        """Write the K/V of each row's new tokens after its cached ones; the logits at each
+        row's last, in the rows' order. One-token rows go first, as attention wants them."""
+        bs, dev = self.block_size, self.device
+        order = sorted(range(len(rows)), key=lambda r: len(rows[r][1]) > 1)
         attn = AttentionBatch(bs, dev, self.dtype, [], [], None, [], False)
-        if len(new) == 1:
-            attn.decode_tables, attn.decode_lens = [table], [end]
-        else:
-            attn.prefills.append(PrefillSpan(0, len(new), start, table))
-        ctx = StepContext(
-            slot_mapping=torch.as_tensor(np.asarray(table)[pos // bs] * bs + pos % bs, device=dev),
-            backend=self.backend,
-            attention=self.backend.build(attn),
-            workspace=self.workspace,
+        ids: list[int] = []
+        pos_parts, slot_parts, last = [], [], np.empty(len(rows), dtype=np.int64)
+        for r in order:
+            kv, new = rows[r]
+            start, end = len(kv.tokens), len(kv.tokens) + len(new)
+            table, pos = kv.table[: -(-end // bs)], np.arange(start, end)
+            if len(new) == 1:
+                attn.decode_tables.append(table)
+                attn.decode_lens.append(end)
+            else:
+                attn.prefills.append(PrefillSpan(len(ids), len(ids) + len(new), start, table))
+            ids.extend(new)
+            last[r] = len(ids) - 1
+            pos_parts.append(pos)
+            slot_parts.append(np.asarray(table)[pos // bs] * bs + pos % bs)
+            kv.tokens.extend(new)
+        set_context(
+            StepContext(
+                slot_mapping=torch.as_tensor(np.concatenate(slot_parts), device=dev),
+                backend=self.backend,
+                attention=self.backend.build(attn),
+                workspace=self.workspace,
+            )
         )
-        set_context(ctx)
         try:
-            hidden = self.model(torch.as_tensor(new, device=dev), torch.as_tensor(pos, device=dev))
+            hidden = self.model(
+                torch.as_tensor(ids, device=dev),
+                torch.as_tensor(np.concatenate(pos_parts), device=dev),
+            )
         finally:
             reset_context()
-        kv.tokens.extend(new)
-        return self.model.compute_logits(hidden[-1:])[0]
+        return self.model.compute_logits(hidden[torch.as_tensor(last, device=dev)])
 
 
 def check_draft(

@@ -31,6 +31,11 @@ class Proposer(ABC):
         """Up to `k` tokens likely to follow `tokens` (the request's prompt and output so far);
         fewer, or none, when there is no good guess: every drafted token costs a query row."""
 
+    def propose_batch(self, rows: list[tuple[str, bytes, list[int], int]]) -> list[list[int]]:
+        """`propose` for each (request, scope, tokens, k): a proposer that runs a model
+        overrides it to draft every row in the same forwards."""
+        return [self.propose(*row) for row in rows]
+
     # Hooks a proposer that learns across requests overrides; the others ignore them.
     def observe(  # noqa: B027
         self, request: str, scope: bytes, tokens: list[int], num_prompt: int
