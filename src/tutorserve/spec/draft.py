@@ -116,7 +116,10 @@ class DraftProposer(Proposer):
             kv = self._rollback(request, tokens)
             # Positions up to len(tokens) + k - 2 are written: the last draft's K/V is not read.
             if not self._reserve(kv, len(tokens) + k - 1):
-                continue  # the pool is full: no drafts this step (speculation is optional)
+                # No drafts this step (speculation is optional); the blocks come back as
+                # requests end.
+                log.debug("draft KV pool full: no drafts for %s", request)
+                continue
             while len(tokens) - len(kv.tokens) > _CHUNK:  # a long prompt, the first time
                 self._forward([(kv, tokens[len(kv.tokens) : len(kv.tokens) + _CHUNK])])
             kv.fixed = len(tokens)
