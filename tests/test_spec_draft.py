@@ -22,6 +22,7 @@ from tutorserve.spec import DraftProposer, SpeculativeChoices, draft_model_name
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SPEC = {"num_speculative_tokens": 4, "speculative_disable_by_batch_size": 64}
+F32 = (torch.float32, torch.float32, torch.device("cpu"))  # model, KV, device
 
 
 def _perturbed(src: str, out: Path, std: float) -> str:
@@ -95,7 +96,7 @@ def test_greedy_output_is_identical_with_a_draft_model(
 
 def test_draft_kv_rolls_back_to_the_accepted_tokens_and_stays_in_its_pool(synth_llama):
     model, _ = load_model(synth_llama, torch.float32, torch.device("cpu"))
-    proposer = DraftProposer(model, model.config.vocab_size, 6, 16, torch.float32)
+    proposer = DraftProposer(model, model.config.vocab_size, 6, 16, *F32)
     prompt = list(range(3, 33))  # 30 tokens
     drafts = proposer.propose("r", b"", prompt, 4)
     assert len(drafts) == 4
@@ -112,7 +113,7 @@ def test_draft_kv_rolls_back_to_the_accepted_tokens_and_stays_in_its_pool(synth_
     assert len(kv.table) == 3 and proposer.num_free_blocks == 3
     # A drafter's greedy tokens equal a fresh drafter's over the same tokens (rollback is
     # complete: no stale K/V of a rejected draft is read).
-    fresh = DraftProposer(model, model.config.vocab_size, 6, 16, torch.float32)
+    fresh = DraftProposer(model, model.config.vocab_size, 6, 16, *F32)
     assert fresh.propose("x", b"", tokens, 4) == proposer.propose("r", b"", tokens, 4)
     # The pool is bounded: with too few blocks left, no drafts, and nothing taken.
     assert proposer.propose("other", b"", list(range(3, 70)), 4) == []
@@ -122,11 +123,24 @@ def test_draft_kv_rolls_back_to_the_accepted_tokens_and_stays_in_its_pool(synth_
     assert proposer.num_free_blocks == 6 and not proposer.requests
 
 
+def test_a_gguf_draft_kept_in_its_quantized_blocks():
+    """SmolLM2 drafting for itself from its GGUF blocks (its parameters are bytes, its
+    activations float32): same greedy tokens as without drafts."""
+    prompts = ["Explain why 2 + 3 = 5 to a child.", "Solve x^2 - 5x + 6 = 0."]
+    model, kw = "smollm2-135m-instruct", {"dtype": "float32", "kv_cache_bytes": 64 << 20}
+    want = [o.token_ids for o in LLM(model, **kw).generate(prompts, GREEDY)]
+    llm = LLM(model, speculative=f"draft:{model}", **kw, **SPEC)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    spec = llm.engine.stats().spec
+    assert 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
+    _no_leaks(llm)
+
+
 def test_drafts_of_a_batch_equal_each_rows_own(synth_llama, mixed_prompts):
     """Rows drafted together (decode rows and prompt catch-ups in one forward, rows dropping
     out at their own k) get the drafts each gets alone."""
     model, _ = load_model(synth_llama, torch.float32, torch.device("cpu"))
-    together, alone = (DraftProposer(model, 512, 64, 16, torch.float32) for _ in range(2))
+    together, alone = (DraftProposer(model, 512, 64, 16, *F32) for _ in range(2))
     rows = [(f"r{i}", b"", p, 1 + i % 4) for i, p in enumerate(mixed_prompts[:6])]
     for _ in range(3):  # the first round catches up on prompts; later ones decode
         got = together.propose_batch(rows)

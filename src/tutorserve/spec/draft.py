@@ -54,13 +54,15 @@ class DraftProposer(Proposer):
         vocab_size: int,
         num_blocks: int,
         block_size: int,
+        dtype: torch.dtype,
         kv_dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
-        """`vocab_size`: the target's; the draft never proposes an id beyond it."""
+        """`vocab_size`: the target's; the draft never proposes an id beyond it. `dtype`: the
+        model's activations (its parameters may be quantized blocks, stored as bytes)."""
         self.model, self.vocab_size, self.block_size = model, vocab_size, block_size
+        self.dtype, self.device = dtype, device
         cfg = model.config
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
@@ -95,7 +97,7 @@ class DraftProposer(Proposer):
         a GGUF file); ValueError unless it shares the target's vocabulary and context."""
         model, tokenizer = load_model(name, dtype, device, "auto")
         check_draft(name, tokenizer, model.config, target_tokenizer, target_vocab, max_model_len)
-        return cls(model, target_vocab, num_blocks, block_size, kv_dtype)
+        return cls(model, target_vocab, num_blocks, block_size, dtype, kv_dtype, device)
 
     @property
     def num_free_blocks(self) -> int:
