@@ -17,11 +17,11 @@ from tutorserve.engine.policy import POLICIES
 from tutorserve.models.classes import MODEL_CLASSES
 from tutorserve.models.registry import DEFAULT_MODEL
 from tutorserve.sampling_params import SamplingParams
-from tutorserve.spec import PROPOSERS
+from tutorserve.spec import SpeculativeChoices
 
 log = logging.getLogger("tutorserve")
 # known above the config layer only
-ENGINE_CHOICES = {"scheduling": list(POLICIES), "speculative": list(PROPOSERS)}
+ENGINE_CHOICES = {"scheduling": list(POLICIES), "speculative": SpeculativeChoices()}
 
 
 def add_tutor_args(p: argparse.ArgumentParser) -> None:

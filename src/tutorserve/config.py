@@ -128,7 +128,8 @@ class EngineConfig:
     max_loras: int = _option(8, Flag("adapters in compute slots (usable in one step)", _LORA))
     max_lora_rank: int = _option(16, Flag("largest adapter rank", _LORA))
     max_cpu_loras: int = _option(64, Flag("adapters kept in host RAM", _LORA))
-    # Speculative decoding: a proposer by name (spec/: "ngram", "suffix"), None for off.
+    # Speculative decoding: a proposer by name (spec/: "ngram", "suffix", or "draft:<model>" for
+    # a draft model with the target's tokenizer), None for off.
     speculative: str | None = _option(
         None, Flag("draft tokens with this proposer and verify them in one step", _SPEC, type=str)
     )

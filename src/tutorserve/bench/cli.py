@@ -20,7 +20,7 @@ from tutorserve.bench.systems import host_dtype
 from tutorserve.config import EngineConfig, add_engine_args, engine_options
 from tutorserve.engine.policy import POLICIES
 from tutorserve.models.registry import DEFAULT_MODEL
-from tutorserve.spec import PROPOSERS
+from tutorserve.spec import SpeculativeChoices
 
 log = logging.getLogger(__name__)
 # Engine options `bench offline` passes to our engine (vLLM gets the same batch limit).
@@ -120,7 +120,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--problems", type=int, default=3, help="problems each student works through")
     add_engine_args(p, only=("quantization", "speculative", "num_speculative_tokens",
                              "speculative_disable_by_batch_size"),
-                    choices={"speculative": list(PROPOSERS)})  # fmt: skip
+                    choices={"speculative": SpeculativeChoices()})  # fmt: skip
     p.add_argument("--out", default="bench-results/tutor")
     p.set_defaults(func=cmd_tutor)
 
@@ -145,7 +145,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser("spec", help="tutor replies: TPOT with each speculative proposer vs none")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", **DTYPE_ARG)
-    p.add_argument("--methods", default="none,ngram", help="none and proposer names")
+    p.add_argument("--methods", default="none,ngram", help="none, proposer names, draft:MODEL")
     p.add_argument("--concurrency", default="1,8,32", help="requests in flight, per run")
     p.add_argument("--students", type=int, default=3, help="students per problem and rung")
     p.add_argument("--num-prompts", type=int, default=48)
@@ -568,12 +568,11 @@ def cmd_tutor_scale(a: argparse.Namespace) -> int:
 
 def cmd_spec(a: argparse.Namespace) -> int:
     from tutorserve.bench.speculative import as_json, plot, run_spec_bench, table
-    from tutorserve.spec import PROPOSERS
+    from tutorserve.spec import SpeculativeChoices
 
-    methods = a.methods.split(",")
-    unknown = [m for m in methods if m != "none" and m not in PROPOSERS]
-    if unknown or not methods:
-        raise ValueError(f"--methods takes none and {', '.join(PROPOSERS)}, got {a.methods!r}")
+    methods, known = a.methods.split(","), SpeculativeChoices()
+    if not all(m == "none" or m in known for m in methods):
+        raise ValueError(f"--methods takes none and {', '.join(known)}, got {a.methods!r}")
     concurrencies = [int(c) for c in a.concurrency.split(",")]
     if min(concurrencies) < 1 or min(a.students, a.num_prompts) < 1 or a.max_tokens < 2:
         raise ValueError(

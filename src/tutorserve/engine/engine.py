@@ -19,9 +19,9 @@ from tutorserve.engine.scheduler import Scheduler, StepShape
 from tutorserve.engine.sequence import Sequence, SequenceStatus
 from tutorserve.engine.stats import EngineStats, SpecCounters
 from tutorserve.lora.manager import LoRAManager
-from tutorserve.models.loader import load_model
+from tutorserve.models.loader import load_model, load_model_config
 from tutorserve.sampling_params import SamplingParams
-from tutorserve.spec import proposer_named, scope_key
+from tutorserve.spec import DraftProposer, Proposer, draft_model_name, proposer_named, scope_key
 from tutorserve.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -74,12 +74,18 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_dtype(
             config.kv_cache_dtype, config.dtype, self.dtype, self.device
         )
+        # A wrong proposer name fails before the model loads.
+        spec = config.speculative
+        draft = draft_model_name(spec) if spec else None
+        self.proposer: Proposer | None = proposer_named(spec) if spec and not draft else None
         self.model, self.tokenizer = load_model(
             config.model, self.dtype, self.device, config.quantization
         )
-        mcfg = self.model.config
-        bs = config.block_size
-        per_block = mcfg.kv_bytes_per_token(torch.finfo(self.kv_dtype).bits // 8) * bs
+        bs, kv_size = config.block_size, torch.finfo(self.kv_dtype).bits // 8
+        per_token = self.model.config.kv_bytes_per_token(kv_size)
+        if draft:  # a draft model's KV has as many blocks, out of the same byte budget
+            per_token += load_model_config(draft).kv_bytes_per_token(kv_size)
+        per_block = per_token * bs
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -100,7 +106,11 @@ class LLMEngine:
         self.lora = self._lora_manager()
         self.scheduler = Scheduler(config, self.kv, self.lora)
         self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
-        self.proposer = proposer_named(config.speculative) if config.speculative else None
+        if draft:
+            self.proposer = DraftProposer.load(
+                draft, self.tokenizer, self.model.config.vocab_size, self.max_model_len,
+                num_blocks, bs, self.dtype, self.kv_dtype, self.device,
+            )  # fmt: skip
         self.spec = SpecCounters()
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
@@ -268,6 +278,9 @@ class LLMEngine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         failed = [self._fail(seq) for seq in self.scheduler.failed]
+        if self.proposer is not None:
+            for seq in batch.preempted:
+                self.proposer.release(seq.request_id)
         self.scheduler.failed.clear()
         if not batch.seqs:
             if failed:
@@ -339,6 +352,7 @@ class LLMEngine:
         cfg, running = self.config, self.scheduler.running
         if len(running) > cfg.speculative_disable_by_batch_size:
             return
+        rows, seqs = [], []
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.params.draftable:
                 continue  # still prefilling, or its logits are processed row by row
@@ -349,9 +363,11 @@ class LLMEngine:
                 self.max_model_len - seq.num_tokens - 1,
             )
             if room > 0:
-                seq.spec_token_ids = self.proposer.propose(
-                    seq.request_id, seq.spec_scope, seq.token_ids, room
-                )
+                rows.append((seq.request_id, seq.spec_scope, seq.token_ids, room))
+                seqs.append(seq)
+        if rows:
+            for seq, drafts in zip(seqs, self.proposer.propose_batch(rows), strict=True):
+                seq.spec_token_ids = drafts
 
     def _append(self, seq: Sequence, tokens: list[int], now: float) -> RequestOutput:
         p = seq.params
@@ -402,6 +418,8 @@ class LLMEngine:
         seq.finish_time = now
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
+        if self.proposer is not None:
+            self.proposer.release(seq.request_id)
 
     def _output(self, seq: Sequence, delta: str) -> RequestOutput:
         stream = self._streams[seq.request_id]

@@ -31,6 +31,11 @@ class Proposer(ABC):
         """Up to `k` tokens likely to follow `tokens` (the request's prompt and output so far);
         fewer, or none, when there is no good guess: every drafted token costs a query row."""
 
+    def propose_batch(self, rows: list[tuple[str, bytes, list[int], int]]) -> list[list[int]]:
+        """`propose` for each (request, scope, tokens, k): a proposer that runs a model
+        overrides it to draft every row in the same forwards."""
+        return [self.propose(*row) for row in rows]
+
     # Hooks a proposer that learns across requests overrides; the others ignore them.
     def observe(  # noqa: B027
         self, request: str, scope: bytes, tokens: list[int], num_prompt: int
@@ -39,3 +44,7 @@ class Proposer(ABC):
 
     def feedback(self, scope: bytes, drafted: int, accepted: int) -> None:  # noqa: B027
         """How many of a request's drafted tokens the model kept."""
+
+    def release(self, request: str) -> None:  # noqa: B027
+        """The request finished, was aborted or was preempted: drop what is kept for it alone
+        (a draft model's KV); a later `propose` for it starts over."""
