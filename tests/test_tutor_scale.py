@@ -13,9 +13,8 @@ from dataclasses import fields, replace
 import httpx
 import pytest
 
-from tutorkit import ScriptedLLM
+from tutorkit import CountingLLM, ScriptedLLM
 from tutorserve.tutor.breaker import BreakerConfig, CircuitBreaker, State
-from tutorserve.tutor.costs import report_usage
 from tutorserve.tutor.courses import Course, load_courses
 from tutorserve.tutor.llm_client import OpenAILLM
 from tutorserve.tutor.quotas import Limits, OverQuota, QuotaExceeded, Quotas
@@ -26,24 +25,6 @@ from tutorserve.tutor.store import TutorStore
 from tutorserve.tutor.tiers import LearnerState, Situation, Tier, Uniform
 
 KNOWN_MISTAKE = "x = 1 or x = 6"  # an authored misconception of algebra's first problem
-
-
-class CountingLLM(ScriptedLLM):
-    """A scripted model that reports token counts as an engine would: one per word."""
-
-    def __init__(self, name: str = "scripted", **kw) -> None:
-        super().__init__(**kw)
-        self.name = name
-
-    async def stream(self, messages, **kw):
-        prompt = sum(len(m["content"].split()) for m in messages)
-        out = 0
-        try:
-            async for word in super().stream(messages, **kw):
-                out += 1
-                yield word
-        finally:
-            report_usage(prompt, prompt // 2, out)
 
 
 @pytest.fixture(scope="module")

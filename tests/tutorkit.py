@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from tutorserve.tutor.answers import leaks_answer
+from tutorserve.tutor.costs import report_usage
 from tutorserve.tutor.courses import KC, Course, Problem
 
 MATHDIAL = Path(__file__).resolve().parents[2] / "shared/data/mathdial/test.jsonl"
@@ -66,6 +67,24 @@ class ScriptedLLM:
         finally:
             if not finished:
                 self.abandoned += 1
+
+
+class CountingLLM(ScriptedLLM):
+    """A scripted model that reports token counts as an engine would: one per word."""
+
+    def __init__(self, name: str = "scripted", **kw) -> None:
+        super().__init__(**kw)
+        self.name = name
+
+    async def stream(self, messages, **kw):
+        prompt = sum(len(m["content"].split()) for m in messages)
+        out = 0
+        try:
+            async for word in super().stream(messages, **kw):
+                out += 1
+                yield word
+        finally:
+            report_usage(prompt, prompt // 2, out)
 
 
 def mathdial_rows(n: int) -> list[dict]:

@@ -1,5 +1,6 @@
 """Tutoring at district scale: 4 → 64 simulated students per course, each scale feature on and off
-(the reply cache, learner-state tiering, circuit breakers), with modelled model endpoints.
+(the reply cache, learner-state tiering, circuit breakers, hedged calls), with modelled model
+endpoints.
 
 The agents, prompts, ladder, guard, cache and routing are the real ones; only the model is a
 stand-in (`ModelledLLM`): it counts prompt tokens with the real SmolLM2 tokenizer over the real
@@ -28,6 +29,7 @@ from tutorserve.models.loader import load_tokenizer
 from tutorserve.tutor.breaker import BreakerConfig
 from tutorserve.tutor.costs import report_usage
 from tutorserve.tutor.courses import Course, load_courses
+from tutorserve.tutor.hedge import HedgeConfig
 from tutorserve.tutor.llm_client import ChatLLM, EngineLLM, Messages
 from tutorserve.tutor.prompts import system_prompt
 from tutorserve.tutor.reply_cache import ReplyCache
@@ -108,6 +110,7 @@ class Features:
     cache: bool = False
     tiering: bool = False
     breaker: bool = True
+    hedge: bool = True  # a call late at the large model is also sent to the small one
     large_hangs: bool = False
 
     @property
@@ -115,7 +118,9 @@ class Features:
         on = [n for n in ("cache", "tiering") if getattr(self, n)]
         base = " + ".join(on) if on else "baseline (one large model, no cache)"
         if self.large_hangs:
-            base += ", large model hanging, " + ("breaker" if self.breaker else "no breaker")
+            guard = ("breaker + hedge" if self.hedge else "breaker, no hedge") if self.breaker \
+                else "no breaker"  # fmt: skip
+            base += ", large model hanging, " + guard
         return base
 
 
@@ -135,6 +140,8 @@ class Result:
     cache_lookups: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
     breaker_opened: int = 0  # times any endpoint's breaker opened
+    hedged: int = 0  # calls late at a model that were also sent a tier down
+    hedges_won: int = 0  # of those, the ones the hedge answered first
     model_replies: int = 0  # turns whose reply text a model wrote (fresh or from the cache)
 
     @property
@@ -180,16 +187,20 @@ async def run_config(
     # breaker: it never opens, and a call waits as long as its agent's timeout.
     timeouts = None if engine else TIMEOUTS
     if engine:
-        breaker = BreakerConfig()
+        breaker, hedge = BreakerConfig(), HedgeConfig()
     elif features.breaker:
+        # Modelled calls take 0.1–3 s to a first token, queueing included: hedge after 1 s
+        # until the large model's own first tokens say otherwise.
         breaker = BreakerConfig(slow_s=5.0)
+        hedge = HedgeConfig(after_s=1.0) if features.hedge else None
     else:
-        breaker = BreakerConfig(min_calls=10**9, slow_s=max(TIMEOUTS.values()))
+        breaker, hedge = BreakerConfig(min_calls=10**9, slow_s=max(TIMEOUTS.values())), None
     routing = Routing(
         {Tier.SMALL: small if features.tiering else large, Tier.LARGE: large},
         LearnerState() if features.tiering else Uniform(),
         breaker,
         ReplyCache() if features.cache else None,
+        hedge,
     )
     r = Result(features, students)
     with tempfile.TemporaryDirectory() as d:
@@ -203,7 +214,10 @@ async def run_config(
         r.generated_tokens = sum(t.generated_tokens for t in spent)
         r.model_seconds = sum(t.seconds for t in spent)
         r.by_tier = {t.key: t.tokens for t in spent if t.tokens}
-    r.breaker_opened = sum(b["times_opened"] for b in routing.health().values())
+    health = routing.health().values()
+    r.breaker_opened = sum(b["times_opened"] for b in health)
+    r.hedged = sum(b.get("hedged", 0) for b in health)
+    r.hedges_won = sum(b.get("hedges_won", 0) for b in health)
     if routing.cache is not None:
         stats = routing.cache.stats()
         r.cache_hits = sum(stats["hits"].values())
@@ -233,7 +247,8 @@ CONFIGS = (
     Features(cache=True),
     Features(tiering=True),
     Features(cache=True, tiering=True),
-    Features(cache=True, tiering=True, large_hangs=True, breaker=False),
+    Features(cache=True, tiering=True, large_hangs=True, breaker=False, hedge=False),
+    Features(cache=True, tiering=True, large_hangs=True, hedge=False),
     Features(cache=True, tiering=True, large_hangs=True),
 )
 

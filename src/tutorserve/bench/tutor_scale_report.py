@@ -48,13 +48,13 @@ def table(results: list[Result]) -> str:
 def tier_table(results: list[Result]) -> str:
     rows = [
         "| students / course | features | tokens by tier | breaker opened "
-        "| replies a model wrote |",
-        "|---|---|---|---|---|",
+        "| calls hedged (hedge first) | replies a model wrote |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         tiers = ", ".join(f"{k}: {v:,}" for k, v in sorted(r.by_tier.items()))
         rows.append(f"| {r.students} | {r.features.label} | {tiers} | {r.breaker_opened} | "
-                    f"{r.model_replies} of {r.turns} |")  # fmt: skip
+                    f"{r.hedged} ({r.hedges_won}) | {r.model_replies} of {r.turns} |")  # fmt: skip
     return "\n".join(rows)
 
 

@@ -278,10 +278,19 @@ class TutorCollector(Collector):
         opened = CounterMetricFamily(
             _P + "tutor_breaker_opened", "Times the breaker opened.", labels=["model"]
         )
+        hedged = CounterMetricFamily(
+            _P + "tutor_hedged_calls",
+            "Calls late at their model that were also sent a tier down (won: the hedge "
+            "answered first).",
+            labels=["model", "outcome"],
+        )
         for model, b in t.routing.health().items():
             state.add_metric([model], {"closed": 0.0, "half_open": 0.5, "open": 1.0}[b["state"]])
             opened.add_metric([model], b["times_opened"])
-        yield from (state, opened)
+            if "hedged" in b:
+                hedged.add_metric([model, "won"], b["hedges_won"])
+                hedged.add_metric([model, "lost"], b["hedged"] - b["hedges_won"])
+        yield from (state, opened, hedged)
         if (q := t.quotas) is not None:
             over = CounterMetricFamily(
                 _P + "tutor_quota_exceeded", "Turns beyond a school's quota.", labels=["action"]

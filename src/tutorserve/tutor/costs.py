@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterable
-from contextvars import ContextVar
+from contextvars import Context, ContextVar, copy_context
 from dataclasses import dataclass, field
 
 from tutorserve.tutor.tiers import Tier
@@ -38,6 +38,7 @@ class Call:
     seconds: float = 0.0
     cached_reply: bool = False
     saved_tokens: int = 0
+    abandoned: bool = False  # a hedge answered first: its tokens were spent, its reply unused
 
     @property
     def tokens(self) -> int:
@@ -51,6 +52,8 @@ class CallLog:
 
 
 _log: ContextVar[CallLog | None] = ContextVar("tutor_call_log", default=None)
+# The call a model client's `report_usage` is charged to, where two run at once (a hedge).
+_charged: ContextVar[Call | None] = ContextVar("tutor_charged_call", default=None)
 
 
 def open_log(agent: str) -> CallLog:
@@ -70,6 +73,19 @@ def begin_call(tier: Tier, model: str, **done: object) -> Call | None:
     return call
 
 
+def charging(call: Call | None) -> Context:
+    """A copy of the current context in which the model client's usage goes to `call`."""
+    context = copy_context()
+    context.run(_charged.set, call)
+    return context
+
+
+def answered_by(calls: list[Call]) -> str:
+    """The model whose reply the agent used: the last call that was not abandoned for a
+    faster one (a hedge's loser)."""
+    return next(c.model for c in reversed(calls) if not c.abandoned)
+
+
 def logged_calls() -> list[Call]:
     """The running agent's calls so far (empty outside an agent)."""
     log = _log.get()
@@ -78,9 +94,10 @@ def logged_calls() -> list[Call]:
 
 def report_usage(prompt: int, cached: int, generated: int) -> None:
     """A model client's token counts for the call it is serving."""
-    log = _log.get()
-    if log is not None and log.calls:
+    call, log = _charged.get(), _log.get()
+    if call is None and log is not None and log.calls:
         call = log.calls[-1]
+    if call is not None:
         call.prompt_tokens, call.cached_tokens, call.generated_tokens = prompt, cached, generated
 
 

@@ -10,11 +10,11 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any
 
 from tutorserve.tutor.breaker import BreakerConfig, CircuitBreaker
-from tutorserve.tutor.costs import begin_call
+from tutorserve.tutor.hedge import Attempt, FirstTokenLatency, HedgeConfig
 from tutorserve.tutor.llm_client import ChatLLM, Messages
 from tutorserve.tutor.reply_cache import ReplyCache
 from tutorserve.tutor.tiers import Situation, Tier, TieringPolicy, Uniform
@@ -46,6 +46,7 @@ class Routing:
         policy: TieringPolicy | None = None,
         breaker: BreakerConfig | None = None,
         cache: ReplyCache | None = None,
+        hedge: HedgeConfig | None = None,
     ) -> None:
         if not models or Tier.AUTHORED in models:
             raise ValueError("routing needs a model for the small or the large tier")
@@ -56,7 +57,13 @@ class Routing:
         self.cache = cache
         self.breaker_config = breaker = breaker or BreakerConfig()
         self.breakers = {id(m): CircuitBreaker(breaker) for m in self.models.values()}
-        self._probes: set[asyncio.Task] = set()
+        # Hedging needs a model tier below to send the call to.
+        self.latency = (
+            {id(m): FirstTokenLatency(hedge) for m in self.models.values()}
+            if hedge is not None and self.models[Tier.SMALL] is not self.models[Tier.LARGE]
+            else {}
+        )
+        self._side: set[asyncio.Task] = set()  # probes and watches
 
     @classmethod
     def single(cls, llm: ChatLLM, **kw: Any) -> Routing:
@@ -104,9 +111,13 @@ class Routing:
             log.info("tutor model %s probed: %s", llm.name, "down" if failed else "back")
             breaker.record(failed=failed)
 
-        task = asyncio.get_running_loop().create_task(run(), context=contextvars.Context())
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self._on_the_side(run())
+
+    def _on_the_side(self, work: Coroutine[Any, Any, None]) -> None:
+        """Runs `work` in a task of its own, whose usage is nobody's turn's."""
+        task = asyncio.get_running_loop().create_task(work, context=contextvars.Context())
+        self._side.add(task)
+        task.add_done_callback(self._side.discard)
 
     def model_name(self, wanted: Tier) -> str:
         """The model a call at `wanted` would go to now (for a reply-cache lookup), or the
@@ -125,31 +136,21 @@ class Routing:
     async def stream(self, wanted: Tier, messages: Messages, **kw: Any) -> AsyncIterator[str]:
         """The reply's deltas from the first tier that answers. A model that fails, or sends no
         first token within the breaker's `slow_s`, is counted against its breaker and the next
-        tier down is asked, within the same call; once text has flowed, a failure is the
-        caller's (the student has seen it)."""
+        tier down is asked, within the same call; one that is merely late is hedged (below).
+        Once text has flowed, a failure is the caller's (the student has seen it)."""
         tried: set[int] = set()
         while True:
             tier, llm = self.serving(wanted, frozenset(tried), (messages, kw))
             tried.add(id(llm))
-            breaker = self.breakers[id(llm)]
-            call = begin_call(tier, llm.name)
-            start = time.monotonic()
-            deltas = llm.stream(messages, **kw)
+            winner, first = await self._race(Attempt(tier, llm, messages, kw), tried, messages, kw)
+            if winner is None:
+                wanted = tier.down()  # every model tried was late or down
+                continue
+            breaker = self.breakers[id(winner.llm)]
             try:
-                try:
-                    first = await asyncio.wait_for(anext(deltas), self.breaker_config.slow_s)
-                except StopAsyncIteration:
-                    first = ""
-                except Exception as e:  # TimeoutError included: this model is late or down
-                    if not endpoint_failed(e):
-                        raise
-                    log.warning("tutor model %s failed (%s); trying a tier down", llm.name, e)
-                    breaker.record(failed=True)
-                    wanted = tier.down()
-                    continue
                 if first:
                     yield first
-                async for delta in deltas:
+                async for delta in winner.rest():
                     yield delta
                 breaker.record(failed=False)
                 return
@@ -161,20 +162,115 @@ class Routing:
                 breaker.record(failed=endpoint_failed(e))
                 raise
             finally:
-                if call is not None:
-                    call.seconds = time.monotonic() - start
-                await deltas.aclose()  # type: ignore[attr-defined]
+                await winner.close()
+
+    async def _race(
+        self, primary: Attempt, tried: set[int], messages: Messages, kw: dict[str, Any]
+    ) -> tuple[Attempt | None, str]:
+        """The attempt whose first delta comes first, and that delta ("" for an empty reply);
+        (None, "") when each attempt failed or sent nothing within `slow_s`, each counted
+        against its breaker. Once `primary` is later than its endpoint's usual first token, the
+        call is also sent a tier down (a hedge); a primary that loses to its hedge is watched on
+        the side."""
+        slow_s = self.breaker_config.slow_s
+        latency = self.latency.get(id(primary.llm))
+        hedge_at = primary.started + (latency.hedge_after() if latency else slow_s)
+        running = {primary.first_task: primary}
+
+        async def drop(attempt: Attempt, failed: bool, abandoned: bool = False) -> None:
+            del running[attempt.first_task]
+            if abandoned:
+                attempt.abandon()
+            if failed:
+                self.breakers[id(attempt.llm)].record(failed=True)
+            await attempt.close()
+
+        try:
+            while running:
+                deadline = min(a.started for a in running.values()) + slow_s
+                if hedge_at < deadline and len(running) == 1:
+                    deadline = hedge_at
+                done, _ = await asyncio.wait(
+                    running, timeout=max(0.0, deadline - time.monotonic()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )  # fmt: skip
+                for task in done:
+                    attempt = running[task]
+                    if (e := task.exception()) is None:
+                        if t := self.latency.get(id(attempt.llm)):
+                            t.observe(time.monotonic() - attempt.started)
+                        del running[task]
+                        if running.pop(primary.first_task, None) is not None:
+                            self._watch(primary)
+                        return attempt, task.result() or ""
+                    if not endpoint_failed(e):
+                        await drop(attempt, failed=False)
+                        raise e
+                    log.warning("tutor model %s failed (%s)", attempt.llm.name, e)
+                    await drop(attempt, failed=True)
+                now = time.monotonic()
+                for attempt in [a for a in running.values() if now - a.started >= slow_s]:
+                    log.warning("tutor model %s sent no token within %ss", attempt.llm.name, slow_s)
+                    await drop(attempt, failed=True)
+                if now >= hedge_at and list(running.values()) == [primary]:
+                    hedge_at = float("inf")
+                    if (hedge := self._hedge(primary, tried, messages, kw)) is not None:
+                        running[hedge.first_task] = hedge
+            return None, ""
+        finally:
+            for attempt in list(running.values()):  # a hedge that lost, or the caller gave up
+                await drop(attempt, failed=False, abandoned=True)
+
+    def _watch(self, late: Attempt) -> None:
+        """A call that lost to its hedge is abandoned but watched on the side until its first
+        token or `slow_s`, then aborted: only a model that is down, not one that is merely
+        slower than the tier below, counts against its breaker, and the wait it took is one of
+        its first-token latencies."""
+        latency = self.latency[id(late.llm)]
+        latency.hedges_won += 1
+        late.abandon()
+
+        async def run() -> None:
+            try:
+                await asyncio.wait_for(
+                    asyncio.shield(late.first_task),
+                    late.started + self.breaker_config.slow_s - time.monotonic(),
+                )
+                failed = False
+                latency.observe(time.monotonic() - late.started)
+            except Exception as e:  # TimeoutError included
+                failed = endpoint_failed(e)
+            finally:
+                await late.close()
+            self.breakers[id(late.llm)].record(failed=failed)
+
+        self._on_the_side(run())
+
+    def _hedge(
+        self, primary: Attempt, tried: set[int], messages: Messages, kw: dict[str, Any]
+    ) -> Attempt | None:
+        """The same call a tier below `primary`, if a model there is available."""
+        try:
+            tier, llm = self.serving(primary.tier.down(), frozenset(tried))
+        except AllTiersDown:
+            return None
+        tried.add(id(llm))
+        self.latency[id(primary.llm)].hedged += 1
+        log.info("tutor model %s is late; hedging on %s", primary.llm.name, llm.name)
+        return Attempt(tier, llm, messages, kw)
 
     def describe(self) -> str:
         """Which model writes each tier, for the start-up log."""
         return ", ".join(f"{t.label} {self.models[t].name}" for t in (Tier.SMALL, Tier.LARGE))
 
     def health(self) -> dict[str, Any]:
-        """Each model endpoint's breaker, for /health."""
+        """Each model endpoint's breaker and hedged calls, for /health."""
         out: dict[str, Any] = {}
         for tier in (Tier.LARGE, Tier.SMALL):
             llm = self.models.get(tier)
             if llm is not None:
                 entry = out.setdefault(llm.name, {"tiers": [], **self.breakers[id(llm)].snapshot()})
                 entry["tiers"].append(tier.label)
+                if t := self.latency.get(id(llm)):
+                    entry.update(hedged=t.hedged, hedges_won=t.hedges_won)
         return out

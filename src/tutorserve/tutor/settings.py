@@ -1,8 +1,9 @@
 """The tutor's deployment settings, from one YAML file (`serve --tutor-config`): which model
-writes each tier, the tiering policy, the reply cache, the breakers and the per-school quotas.
-The file is checked as a whole before any model loads. Each section is validated straight into
-the object that uses it (`BreakerConfig`, `Limits`, the policy, `EngineConfig`), so no option is
-declared a second time here. docs/tutor-config.md describes the file; an example:
+writes each tier, the tiering policy, the reply cache, the breakers, hedging and the per-school
+quotas. The file is checked as a whole before any model loads. Each section is validated
+straight into the object that uses it (`BreakerConfig`, `HedgeConfig`, `Limits`, the policy,
+`EngineConfig`), so no option is declared a second time here. docs/tutor-config.md describes
+the file; an example:
 
     policy: learner-state
     models:
@@ -10,6 +11,7 @@ declared a second time here. docs/tutor-config.md describes the file; an example
       large: {path: /models/qwen2.5-0.5b.gguf, engine: {dtype: bfloat16}}
     reply_cache: {max_entries: 50000}
     breaker: {slow_s: 10}
+    hedge: {after_s: 4}
     quotas:
       default: {turns_per_minute: 30, over: degrade, degrade_to: small}
       schools: {north: {turns_per_day: 5000, priority: -1}}
@@ -37,6 +39,7 @@ from tutorserve.config import EngineConfig
 from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.engine.engine import LLMEngine
 from tutorserve.tutor.breaker import BreakerConfig
+from tutorserve.tutor.hedge import HedgeConfig
 from tutorserve.tutor.llm_client import ChatLLM, EngineLLM, OpenAILLM
 from tutorserve.tutor.quotas import Limits, Quotas
 from tutorserve.tutor.reply_cache import ReplyCache
@@ -102,6 +105,7 @@ class TutorSettings(BaseModel):
     )
     reply_cache: ReplyCacheSpec | None = None  # absent: off
     breaker: BreakerConfig = BreakerConfig()
+    hedge: HedgeConfig | None = HedgeConfig()  # null: a late model is not hedged
     quotas: QuotaSpec | None = None
 
     @model_validator(mode="after")
@@ -173,7 +177,7 @@ class TutorSettings(BaseModel):
                     raise ValueError(f"tutor model at {spec.url}: ${spec.api_key_env} is not set")
                 models[tier] = OpenAILLM(spec.url, spec.model or served_name, key)  # type: ignore[arg-type]
         cache = ReplyCache(self.reply_cache.max_entries) if self.reply_cache else None
-        return Routing(models, self.tiering(), self.breaker, cache)
+        return Routing(models, self.tiering(), self.breaker, cache, self.hedge)
 
     def quota_book(self) -> Quotas | None:
         if self.quotas is None:

@@ -12,7 +12,7 @@ from langgraph.runtime import Runtime
 from tutorserve.tutor import prompts
 from tutorserve.tutor.agents.agent import Agent, Update, reply_key
 from tutorserve.tutor.answers import is_correct, matches
-from tutorserve.tutor.costs import begin_call, logged_calls
+from tutorserve.tutor.costs import answered_by, begin_call, logged_calls
 from tutorserve.tutor.ladder import ladder_level, message_kind
 from tutorserve.tutor.reply_cache import CachedReply, normalized
 from tutorserve.tutor.tiers import Tier
@@ -88,7 +88,7 @@ async def run(state: TurnState, runtime: Runtime[TutorContext]) -> Update:
             )  # fmt: skip
             if cache is not None and key is not None and (calls := logged_calls()):
                 tokens = sum(c.tokens for c in calls)
-                cache.fill(key, calls[-1].model, CachedReply(text, tokens))
+                cache.fill(key, answered_by(calls), CachedReply(text, tokens))
         finally:
             if cache is not None and key is not None:
                 cache.written(key)

@@ -16,7 +16,7 @@ from langgraph.runtime import Runtime
 
 from tutorserve.tutor import prompts
 from tutorserve.tutor.agents.agent import Agent, Update, reply_key
-from tutorserve.tutor.costs import begin_call, logged_calls
+from tutorserve.tutor.costs import answered_by, begin_call, logged_calls
 from tutorserve.tutor.ladder import MAX_LEVEL, AnswerLeak, RejectedReply, guarded
 from tutorserve.tutor.reply_cache import CachedReply, ReplyKey
 from tutorserve.tutor.routing import AllTiersDown
@@ -154,7 +154,7 @@ async def _write(
     def remember(text: str) -> None:
         if key is not None and routing.cache is not None and (calls := logged_calls()):
             tokens = sum(c.tokens for c in calls)
-            routing.cache.fill(key, calls[-1].model, CachedReply(text, tokens))
+            routing.cache.fill(key, answered_by(calls), CachedReply(text, tokens))
 
     try:
         deadline = runtime.context.timeouts[AGENT.name]
