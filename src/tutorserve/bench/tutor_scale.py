@@ -3,34 +3,32 @@
 endpoints.
 
 The agents, prompts, ladder, guard, cache and routing are the real ones; only the model is a
-stand-in (`ModelledLLM`): it counts prompt tokens with the real SmolLM2 tokenizer over the real
-prompts, writes a fixed, clean reply of a fixed length per agent, and takes a modelled time
-(first-token latency + prefill of the prompt beyond the course prefix + per-token decode, queued
-behind a fixed batch width). So token counts are what the tutor would send; latencies are those
-of the stated model, not of a measured engine. Students answer each problem as in
-`bench tutor`: an authored misconception, another wrong value, then the right answer.
+stand-in (`modelled_endpoints.ModelledLLM`: real prompt token counts, modelled latencies).
+Students answer each problem as in `bench tutor`: an authored misconception, another wrong
+value, then the right answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import Coroutine
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
+from tutorserve.bench.modelled_endpoints import LARGE, SMALL, ModelledLLM
 from tutorserve.bench.tutor_turns import _answers
 from tutorserve.config import EngineConfig
 from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.engine.engine import LLMEngine
 from tutorserve.models.loader import load_tokenizer
 from tutorserve.tutor.breaker import BreakerConfig
-from tutorserve.tutor.costs import report_usage
 from tutorserve.tutor.courses import Course, load_courses
 from tutorserve.tutor.hedge import HedgeConfig
-from tutorserve.tutor.llm_client import ChatLLM, EngineLLM, Messages
+from tutorserve.tutor.llm_client import ChatLLM, EngineLLM
 from tutorserve.tutor.prompts import system_prompt
 from tutorserve.tutor.reply_cache import ReplyCache
 from tutorserve.tutor.routing import Routing
@@ -39,70 +37,9 @@ from tutorserve.tutor.store import TutorStore
 from tutorserve.tutor.tiers import LearnerState, Tier, Uniform
 
 log = logging.getLogger(__name__)
-# Reply lengths in tokens per agent: about what SmolLM2 wrote in `bench tutor` (explain is capped
-# at 96, diagnose's JSON at 64, engage at 40).
-REPLY_TOKENS = {"diagnose": 24, "explain": 60, "engage": 24}
-REPLIES = {
-    "diagnose": '{"label": "careless", "reason": "An arithmetic slip in the last step."}',
-    "explain": "Look again at how the two parts fit together, step by step. What comes first?",
-    "engage": "You are getting steadier at this with every attempt.",
-}
 # Per-node timeouts well above a healthy call's modelled latency (queueing included), so only a
 # hanging endpoint runs into them.
 TIMEOUTS = {"diagnose": 8.0, "explain": 15.0, "engage": 8.0}
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """A modelled model server: seconds to first token, per uncached prompt token, per
-    generated token; `batch` requests at once (others queue); `hangs`: no call ever answers
-    (a wedged backend whose connections stay open)."""
-
-    name: str
-    ttft_s: float
-    prefill_s: float
-    decode_s: float
-    batch: int = 32
-    hangs: bool = False
-
-
-# Decode speeds from ../shared/notes/models.md (llama.cpp, batch 1, this machine type): SmolLM2
-# 110–119 tok/s, Qwen2.5-0.5B 44–45 tok/s; prefill taken as 20× decode throughput.
-SMALL = Endpoint("smollm2-135m", ttft_s=0.05, prefill_s=1 / 2300, decode_s=1 / 115)
-LARGE = Endpoint("qwen2.5-0.5b", ttft_s=0.08, prefill_s=1 / 900, decode_s=1 / 45)
-
-
-def _agent(messages: Messages) -> str:
-    task = messages[-1]["content"]
-    if "Classify the student's mistake" in task:
-        return "diagnose"
-    return "engage" if "encouragement" in task else "explain"
-
-
-class ModelledLLM:
-    def __init__(self, spec: Endpoint, tokens: Any, prefixes: dict[str, int]) -> None:
-        self.spec, self.name, self.tokens = spec, spec.name, tokens
-        self.prefixes = prefixes  # course system prompt → its tokens (the prefix cache's share)
-        self.slots = asyncio.Semaphore(spec.batch)
-        self.seen: set[str] = set()
-
-    async def stream(self, messages: Messages, *, max_tokens: int, **_: Any) -> AsyncIterator[str]:
-        spec = self.spec
-        async with self.slots:
-            if spec.hangs:
-                await asyncio.Event().wait()
-            prompt = self.tokens(tuple((m["role"], m["content"]) for m in messages))
-            system = messages[0]["content"]
-            cached = self.prefixes[system] if system in self.seen else 0
-            self.seen.add(system)
-            agent = _agent(messages)
-            n = min(max_tokens, REPLY_TOKENS[agent])
-            await asyncio.sleep(spec.ttft_s + (prompt - cached) * spec.prefill_s)
-            words = REPLIES[agent].split(" ")
-            for i, w in enumerate(words):
-                yield w if i == len(words) - 1 else w + " "
-            await asyncio.sleep(n * spec.decode_s)
-            report_usage(prompt, cached, n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,8 +196,24 @@ def run_scale_bench(students: list[int], problems: int) -> list[Result]:
     for n in students:
         for features in CONFIGS:
             log.info("tutor scale: %d students per course, %s", n, features.label)
-            results.append(asyncio.run(run_config(features, n, problems, tokens)))
+            results.append(asyncio.run(_bounded(run_config(features, n, problems, tokens))))
     return results
+
+
+async def _bounded(run: Coroutine[Any, Any, Result], seconds: float = 900.0) -> Result:
+    """`run`, or RuntimeError after `seconds` with every task's stack in the log: a modelled
+    run takes a minute or two, so one that does not end is a bug to see, not a wait."""
+    task = asyncio.create_task(run)
+    done, _ = await asyncio.wait([task], timeout=seconds)
+    if not done:
+        stacks = io.StringIO()
+        for t in asyncio.all_tasks() - {asyncio.current_task()}:
+            t.print_stack(limit=12, file=stacks)
+        log.error("a tutor-scale run did not end in %.0f s; its tasks:\n%s", seconds,
+                  stacks.getvalue())  # fmt: skip
+        task.cancel()
+        raise RuntimeError(f"a tutor-scale run did not end in {seconds:.0f} s (tasks logged)")
+    return task.result()
 
 
 async def _on_engine(model: str, students: int, problems: int) -> list[Result]:

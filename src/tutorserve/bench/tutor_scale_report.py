@@ -11,9 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tutorserve.bench.modelled_endpoints import LARGE, SMALL
 from tutorserve.bench.tutor_scale import (
-    LARGE,
-    SMALL,
     Features,
     Result,
     run_engine_bench,
