@@ -49,6 +49,21 @@ def test_summary_and_goodput():
     assert no_slo["goodput"] == pytest.approx(1.5)
 
 
+def test_history_cached_counts_what_a_turn_carries_over_from_the_previous_one():
+    def turn(session, t, prompt, out, cached):
+        return RequestRecord(session, t, prompt, 0.0, [0.1], 0.2, out, cached_tokens=cached)
+
+    records = [
+        turn(0, 0, 500, 50, 0),  # a first turn carries nothing over
+        turn(0, 1, 600, 40, 544),  # carries 550: 544 cached (whole blocks)
+        turn(0, 2, 700, 60, 300),  # carries 640: 300 cached (its replica lost the rest)
+        turn(1, 1, 400, 30, 100),  # its first turn failed: nothing to compare with
+    ]
+    s = summarize(records, duration_s=1.0, slo=SLO())
+    assert s["history_cached_token_rate"] == pytest.approx((544 + 300) / (550 + 640))
+    assert "history_cached_token_rate" not in summarize(records[:1], duration_s=1.0, slo=SLO())
+
+
 def test_percentile_matches_numpy():
     rng = np.random.default_rng(0)
     for n in (1, 2, 7, 100):

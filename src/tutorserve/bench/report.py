@@ -76,22 +76,24 @@ def _label(result: dict) -> str:
 
 
 def serving_table(results: list[dict]) -> str:
-    """One row per run: throughput, latency percentiles, goodput, cache hits."""
+    """One row per run: throughput, latency percentiles, goodput, cache hits (of all prompt
+    tokens, and of what later turns carry over from their session's earlier ones)."""
     rows = [
         "| system | workload | rate req/s | done/err | req/s | out tok/s "
         "| TTFT mean / p50 / p99 ms | TPOT mean / p99 ms | ITL p50 / p99 ms | E2E p50 / p99 ms "
         "| goodput req/s (SLO met) "
-        "| prefix-cache hits |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| prefix-cache hits | history cached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         c, s = r["config"], r["summary"]
         if not s.get("completed"):
             rows.append(
-                f"| {_label(r)} | {c['workload']} | {c['request_rate']} | 0 | – |" + " – |" * 7
+                f"| {_label(r)} | {c['workload']} | {c['request_rate']} | 0 | – |" + " – |" * 8
             )
             continue
         hits = s.get("server_prefix_cache_hit_rate", s.get("usage_cached_token_rate"))
+        history = s.get("history_cached_token_rate")
         rows.append(
             f"| {_label(r)} | {c['workload']} | {c['request_rate']} "
             f"| {s['completed']:.0f}/{s['errors']:.0f} | {s['request_throughput']:.2f} "
@@ -101,7 +103,8 @@ def serving_table(results: list[dict]) -> str:
             f"| {s['p50_itl_ms']:.0f} / {s['p99_itl_ms']:.0f} "
             f"| {s['p50_e2e_ms']:.0f} / {s['p99_e2e_ms']:.0f} "
             f"| {s['goodput']:.2f} ({100 * s['slo_attainment']:.0f}%) "
-            f"| {'–' if hits is None else f'{100 * hits:.0f}%'} |"
+            f"| {'–' if hits is None else f'{100 * hits:.0f}%'} "
+            f"| {'–' if history is None else f'{100 * history:.0f}%'} |"
         )
     return "\n".join(rows)
 

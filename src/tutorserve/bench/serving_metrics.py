@@ -102,4 +102,23 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict
     if reported:
         prompt = sum(r.prompt_tokens for r in reported)
         out["usage_cached_token_rate"] = sum(r.cached_tokens or 0 for r in reported) / prompt
+        if (history := history_cached_rate(reported)) is not None:
+            out["history_cached_token_rate"] = history
     return out
+
+
+def history_cached_rate(records: list[RequestRecord]) -> float | None:
+    """Of the tokens each later turn carries over from its session's previous turn (that turn's
+    prompt and reply), the share the server reported as cached: what session routing is meant
+    to keep. Engines count cached tokens in whole blocks, so a turn falls short of its whole
+    history by up to a block even when all of it was kept. None without later turns."""
+    by_turn = {(r.session, r.turn): r for r in records}
+    carried = cached = 0
+    for r in records:
+        prev = by_turn.get((r.session, r.turn - 1))
+        if r.turn == 0 or prev is None or r.cached_tokens is None:
+            continue
+        history = prev.prompt_tokens + prev.output_tokens
+        carried += history
+        cached += min(r.cached_tokens, history)
+    return cached / carried if carried else None
