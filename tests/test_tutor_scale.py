@@ -410,8 +410,8 @@ def test_the_api_refuses_an_over_quota_school_with_429_and_shows_breakers_and_co
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from tutorserve.server.metrics import TutorCollector
     from tutorserve.server.tutor_api import tutor_router
+    from tutorserve.server.tutor_metrics import TutorCollector
 
     quotas = Quotas({"north": Limits(turns_per_day=1)})
     routing = Routing.single(CountingLLM(), cache=ReplyCache())

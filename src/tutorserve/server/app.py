@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tutorserve.engine.async_engine import AdmissionError, AsyncEngine, EngineDeadError
 from tutorserve.server.audio import Voice, audio_router
-from tutorserve.server.metrics import CONTENT_TYPE, EngineMetrics, TutorCollector
+from tutorserve.server.metrics import CONTENT_TYPE, EngineMetrics
 from tutorserve.server.openapi import error_responses, sse_event, text_response, truthful_openapi
 from tutorserve.server.protocol import (
     ChatCompletionRequest,
@@ -38,6 +38,7 @@ from tutorserve.server.protocol import (
 )
 from tutorserve.server.serving import APIError, OpenAIServing
 from tutorserve.server.tutor_api import tutor_router
+from tutorserve.server.tutor_metrics import TutorCollector
 from tutorserve.server.voice_socket import voice_socket_router
 from tutorserve.tutor.service import TutorService
 

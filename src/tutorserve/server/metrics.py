@@ -22,10 +22,9 @@ from prometheus_client.registry import Collector
 
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.engine.stats import EngineStats, TierSnapshot
-from tutorserve.tutor.service import TutorService
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_P = "tutorserve:"
+PREFIX = "tutorserve:"
 # Seconds; CPU serving is slow, so the buckets reach further than vLLM's GPU-minded ones.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
@@ -46,7 +45,7 @@ class _EngineStateCollector(Collector):
         self.snapshots, self.labels = snapshots, labels
 
     def _family(self, kind: Callable[..., _M], name: str, doc: str, *more: str) -> _M:
-        return kind(_P + name, doc, labels=[*self.labels, *more])
+        return kind(PREFIX + name, doc, labels=[*self.labels, *more])
 
     def collect(self) -> Iterator[Metric]:
         snaps = self.snapshots()
@@ -166,37 +165,37 @@ class EngineMetrics:
         self.registry.register(collector)
         r = self.registry
         self.ttft = Histogram(
-            _P + "time_to_first_token_seconds",
+            PREFIX + "time_to_first_token_seconds",
             "Time to first token.",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.tpot = Histogram(
-            _P + "time_per_output_token_seconds",
+            PREFIX + "time_per_output_token_seconds",
             "Mean time per output token after the first.",
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
-            _P + "e2e_request_latency_seconds",
+            PREFIX + "e2e_request_latency_seconds",
             "Arrival to last token.",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter(
-            _P + "prompt_tokens", "Prompt tokens of ended requests.", registry=r
+            PREFIX + "prompt_tokens", "Prompt tokens of ended requests.", registry=r
         )
         self.generation_tokens = Counter(
-            _P + "generation_tokens", "Generated tokens of ended requests.", registry=r
+            PREFIX + "generation_tokens", "Generated tokens of ended requests.", registry=r
         )
         self.finished = Counter(
-            _P + "request_success",
+            PREFIX + "request_success",
             "Ended requests by finish reason (abort: the client left).",
             ["finished_reason"],
             registry=r,
         )
         self.rejected = Counter(
-            _P + "request_rejected",
+            PREFIX + "request_rejected",
             "Requests refused with 429 by admission control.",
             ["reason"],
             registry=r,
@@ -221,80 +220,3 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class TutorCollector(Collector):
-    """The tutor's costs, reply cache, breakers and quotas, read at scrape time. Labels are
-    bounded: agents, tiers and courses are fixed at startup; schools and models beyond
-    `costs.MAX_LABEL_VALUES` count as "other"."""
-
-    def __init__(self, tutor: TutorService) -> None:
-        self.tutor = tutor
-
-    def collect(self) -> Iterator[Metric]:
-        t = self.tutor
-        costs = t.ledger.snapshot()
-        where = ["school", "course", "agent", "model", "tier"]
-        tokens = CounterMetricFamily(
-            _P + "tutor_tokens",
-            "Model tokens spent by tutor agents (kind: prompt, cached — of prompt, served from "
-            "the prefix cache — or generated).",
-            labels=["kind", *where],
-        )
-        for key, n in costs["tokens"].items():
-            tokens.add_metric(list(key), n)
-        seconds = CounterMetricFamily(
-            _P + "tutor_model_seconds", "Wall seconds of tutor model calls.", labels=where
-        )
-        calls = CounterMetricFamily(_P + "tutor_model_calls", "Tutor model calls.", labels=where)
-        for key, v in costs["seconds"].items():
-            seconds.add_metric(list(key), v)
-        for key, n in costs["calls"].items():
-            calls.add_metric(list(key), n)
-        turns = CounterMetricFamily(
-            _P + "tutor_turns", "Tutor turns stored.", labels=["school", "course"]
-        )
-        for key, n in costs["turns"].items():
-            turns.add_metric(list(key), n)
-        yield from (tokens, seconds, calls, turns)
-        if (cache := t.routing.cache) is not None:
-            stats = cache.stats()
-            for name, doc in (
-                ("hits", "Agent calls answered from the reply cache."),
-                ("misses", "Agent calls the reply cache did not know."),
-                ("saved_tokens", "Model tokens the reply cache's hits did not spend."),
-            ):
-                family = CounterMetricFamily(
-                    _P + f"tutor_reply_cache_{name}", doc, labels=["agent"]
-                )
-                for agent, n in stats[name].items():
-                    family.add_metric([agent], n)
-                yield family
-        state = GaugeMetricFamily(
-            _P + "tutor_breaker_open",
-            "1 while a model endpoint's circuit breaker is open (0.5 half-open).",
-            labels=["model"],
-        )
-        opened = CounterMetricFamily(
-            _P + "tutor_breaker_opened", "Times the breaker opened.", labels=["model"]
-        )
-        hedged = CounterMetricFamily(
-            _P + "tutor_hedged_calls",
-            "Calls late at their model that were also sent a tier down (won: the hedge "
-            "answered first).",
-            labels=["model", "outcome"],
-        )
-        for model, b in t.routing.health().items():
-            state.add_metric([model], {"closed": 0.0, "half_open": 0.5, "open": 1.0}[b["state"]])
-            opened.add_metric([model], b["times_opened"])
-            if "hedged" in b:
-                hedged.add_metric([model, "won"], b["hedges_won"])
-                hedged.add_metric([model, "lost"], b["hedged"] - b["hedges_won"])
-        yield from (state, opened, hedged)
-        if (q := t.quotas) is not None:
-            over = CounterMetricFamily(
-                _P + "tutor_quota_exceeded", "Turns beyond a school's quota.", labels=["action"]
-            )
-            over.add_metric(["refused"], q.refused)
-            over.add_metric(["degraded"], q.degraded)
-            yield over
