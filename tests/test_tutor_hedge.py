@@ -48,7 +48,7 @@ def test_a_late_model_is_hedged_a_tier_down_and_the_hedge_writes():
 
     text, calls, took = asyncio.run(go())
     assert text == "Multiply each term." and took < 0.5, took
-    assert [(c.model, c.abandoned) for c in calls] == [("large", True), ("small", False)]
+    assert [(c.model, c.answered) for c in calls] == [("large", False), ("small", True)]
     assert answered_by(calls) == "small"
     assert large.abandoned == 1, "the late call was aborted after its first token"
     # Both calls are charged: the abandoned one read its prompt too.
@@ -67,7 +67,7 @@ def test_a_primary_that_answers_first_keeps_the_call_and_is_not_held_against_it(
     routing = tiers(small, large, hedge=HedgeConfig(after_s=0.1))
     text, calls, _ = asyncio.run(call(routing))
     assert text == "Think about it."
-    assert [(c.model, c.abandoned) for c in calls] == [("large", False), ("small", True)]
+    assert [(c.model, c.answered) for c in calls] == [("large", True), ("small", False)]
     assert answered_by(calls) == "large" and small.abandoned == 1
     health = routing.health()
     assert (health["large"]["hedged"], health["large"]["hedges_won"]) == (1, 0)
@@ -96,6 +96,42 @@ def test_a_hanging_model_opens_its_breaker_once_its_hedged_calls_miss_slow_s():
     assert len(large.calls) == 2 and large.abandoned == 2
     assert routing.health()["large"]["state"] == "open"
     assert [c.model for c in after[1]] == ["small"], "once open, no call waits for a hedge"
+
+
+class Failing(CountingLLM):
+    """Fails after `after` seconds, as an endpoint that errors would."""
+
+    def __init__(self, name: str, after: float) -> None:
+        super().__init__(name)
+        self.after = after
+
+    async def stream(self, messages, **kw):
+        self.calls.append(("explain", messages))
+        await asyncio.sleep(self.after)
+        raise ConnectionError("the endpoint closed the connection")
+        yield ""
+
+
+def test_a_primary_that_fails_while_its_hedge_runs_leaves_the_call_to_the_hedge():
+    small = CountingLLM("small", delay={"explain": 0.3})
+    large = Failing("large", after=0.15)
+    routing = tiers(small, large, hedge=HedgeConfig(after_s=0.05))
+    text, calls, took = asyncio.run(call(routing))
+    assert text == "Think about it." and took < 1.5
+    assert [c.model for c in calls] == ["large", "small"] and answered_by(calls) == "small"
+    assert routing.health()["large"]["failures_in_window"] == 1
+    assert len(small.calls) == 1, "the hedge was not sent a second time"
+
+
+def test_a_hedge_that_fails_leaves_the_call_waiting_for_the_primary():
+    small = Failing("small", after=0.05)
+    large = CountingLLM("large", delay={"explain": 0.3})
+    routing = tiers(small, large, hedge=HedgeConfig(after_s=0.1))
+    text, calls, _ = asyncio.run(call(routing))
+    assert text == "Think about it." and answered_by(calls) == "large"
+    health = routing.health()
+    assert health["small"]["failures_in_window"] == 1
+    assert (health["large"]["hedged"], health["large"]["hedges_won"]) == (1, 0)
 
 
 def test_the_hedge_wait_is_learned_from_the_models_own_first_tokens():

@@ -38,7 +38,9 @@ class Call:
     seconds: float = 0.0
     cached_reply: bool = False
     saved_tokens: int = 0
-    abandoned: bool = False  # a hedge answered first: its tokens were spent, its reply unused
+    # Its reply is what the agent got (not a call that failed or lost to a hedge, whose
+    # tokens were spent all the same).
+    answered: bool = False
 
     @property
     def tokens(self) -> int:
@@ -81,9 +83,8 @@ def charging(call: Call | None) -> Context:
 
 
 def answered_by(calls: list[Call]) -> str:
-    """The model whose reply the agent used: the last call that was not abandoned for a
-    faster one (a hedge's loser)."""
-    return next(c.model for c in reversed(calls) if not c.abandoned)
+    """The model whose reply the agent used last (else the last one asked)."""
+    return next((c.model for c in reversed(calls) if c.answered), calls[-1].model)
 
 
 def logged_calls() -> list[Call]:

@@ -68,6 +68,7 @@ class Attempt:
         self._context = charging(self.call)
         self._deltas: AsyncIterator[str] = self._context.run(llm.stream, messages, **kw)
         self.started = time.monotonic()
+        self._abandoned_at: float | None = None
         self.first_task = self._pending = self._step()
 
     def _step(self) -> asyncio.Task[str | None]:
@@ -85,10 +86,8 @@ class Attempt:
             yield delta
 
     def abandon(self) -> None:
-        """Its reply will not be used; its model time ends here, whenever it is closed."""
-        if self.call is not None:
-            self.call.abandoned = True
-            self.call.seconds = time.monotonic() - self.started
+        """Its reply will not be used: its model time ends here, whenever it is closed."""
+        self._abandoned_at = self._abandoned_at or time.monotonic()
 
     async def close(self) -> None:
         # The step in flight must end before the stream can be closed (an async generator
@@ -102,5 +101,5 @@ class Attempt:
         try:
             await asyncio.shield(closing)
         finally:
-            if self.call is not None and not self.call.abandoned:
-                self.call.seconds = time.monotonic() - self.started
+            if self.call is not None:
+                self.call.seconds = (self._abandoned_at or time.monotonic()) - self.started

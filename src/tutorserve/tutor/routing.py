@@ -146,6 +146,8 @@ class Routing:
             if winner is None:
                 wanted = tier.down()  # every model tried was late or down
                 continue
+            if winner.call is not None:
+                winner.call.answered = True
             breaker = self.breakers[id(winner.llm)]
             try:
                 if first:
