@@ -4,6 +4,7 @@ greedy text equal to one engine's, the decode replica taking the prompt's blocks
 folder, and both replicas' blocks back to idle once the requests end."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -40,6 +41,53 @@ def test_disaggregation_options_are_checked_before_anything_starts(
     # Checked before the model loads: the model named here does not exist.
     assert main(["serve", "--model", "/nonexistent", "--no-tutor", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+# ---- the prefill side's write barrier -------------------------------------------------------
+
+
+def test_the_write_barrier_waits_for_the_blocks_and_never_forever(
+    synth_llama, tmp_path, monkeypatch
+):
+    from tutorserve.engine.kv_cache_manager import extend_block_hashes
+    from tutorserve.engine.kv_tiers.disk import DiskTier
+
+    llm = LLM(synth_llama, dtype="float32", kv_ram_bytes=1 << 20, kv_disk_bytes=1 << 30,
+              kv_disk_dir=str(tmp_path), session_write_through=True)  # fmt: skip
+    store = llm.engine.store
+    put = DiskTier.put
+
+    def slow_put(self, key, data, expires_at=0.0):
+        time.sleep(0.05)  # ~10 blocks: half a second of writing after the request ends
+        put(self, key, data, expires_at)
+
+    monkeypatch.setattr(DiskTier, "put", slow_put)
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+
+    def prefill(seed):
+        ids = [(seed * 31 + i * 7) % 400 + 3 for i in range(10 * BS + 3)]
+        llm.generate([ids], one_token, session_id=f"s{seed}")
+        return extend_block_hashes([], ids, BS)
+
+    keys = prefill(1)
+    assert store.wait_written(keys, timeout=30)
+    # Writes skipped for a full backlog: nothing to wait for, and the answer is no.
+    monkeypatch.setattr(store, "_backlog", 1 << 40)
+    keys = prefill(2)
+    start = time.monotonic()
+    assert not store.wait_written(keys, timeout=30)
+    assert time.monotonic() - start < 5
+    # A stuck writer: the timeout ends the wait.
+    monkeypatch.setattr(store, "_backlog", 0)
+    stuck = threading.Event()
+    store._writer.submit(stuck.wait)
+    keys = prefill(3)
+    start = time.monotonic()
+    assert not store.wait_written(keys, timeout=0.3)
+    assert time.monotonic() - start < 5
+    stuck.set()
+    assert store.wait_written(keys, timeout=30)  # written once the writer moves on
+    llm.close()
 
 
 # ---- the hand-off, with fakes --------------------------------------------------------------
