@@ -165,11 +165,18 @@ class ClusterFront:
         self._adapters.pop(name, None)
 
     async def _every_replica(self, method: str, *args: Any) -> None:
-        results = [r for h in self.handles for r in await h.broadcast(method, *args)
-                   .results_async(timeout_s=120, return_exceptions=True)]  # fmt: skip
+        results = await self._broadcast(method, *args, timeout_s=120)
         errors = [_cause(r) for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
+
+    async def _broadcast(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        """Every replica's answer, or what it raised, over every deployment."""
+        answers = await asyncio.gather(*(
+            h.broadcast(method, *args).results_async(timeout_s=timeout_s, return_exceptions=True)
+            for h in self.handles
+        ))  # fmt: skip
+        return [r for got in answers for r in got]
 
     def stats(self) -> EngineStats:
         return replace(self._stats, num_waiting=self._stats.num_waiting + len(self._waiting))
@@ -192,8 +199,7 @@ class ClusterFront:
     async def _refresh_stats(self) -> None:
         while True:
             try:
-                got = [r for h in self.handles for r in await h.broadcast("stats")
-                       .results_async(timeout_s=10, return_exceptions=True)]  # fmt: skip
+                got = await self._broadcast("stats", timeout_s=10)
                 # A replica that raised is left out: it is dying, and Serve replaces it.
                 self._replicas = {rid: (s, names) for rid, s, names in
                                   (r for r in got if isinstance(r, tuple))}  # fmt: skip
