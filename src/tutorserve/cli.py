@@ -185,7 +185,8 @@ def _cluster_front(a: argparse.Namespace, config: Any, scale: Scale) -> Any:
     """The engines on Ray Serve, and their front for the server. Each replica gets its share
     of this host's threads (with the most replicas it may have) unless told, and of the disk
     tier's budget: the replicas share its folder, so a session outlives the replica that
-    served it."""
+    served it (and a prefilled prompt's blocks reach the decode replica)."""
+    from tutorserve.cluster.disagg import DisaggFront
     from tutorserve.cluster.front import ClusterFront
     from tutorserve.cluster.launch import start_replicas
     from tutorserve.models.loader import load_tokenizer
@@ -193,18 +194,20 @@ def _cluster_front(a: argparse.Namespace, config: Any, scale: Scale) -> Any:
     options = engine_options(a)
     # Ray workers do not start in this process's working directory.
     options["kv_disk_dir"] = str(Path(options["kv_disk_dir"]).expanduser().resolve())
-    options["kv_disk_bytes"] //= scale.max_replicas
+    options["kv_disk_bytes"] //= scale.most_engines
     if not options.get("num_threads"):
-        options["num_threads"] = max(1, (os.cpu_count() or 1) // scale.max_replicas)
+        options["num_threads"] = max(1, (os.cpu_count() or 1) // scale.most_engines)
     replicas = start_replicas(options, scale=scale, routing=a.routing,
                               ray_address=a.ray_address,
                               cpus_per_replica=a.cpus_per_replica)  # fmt: skip
     try:
-        return ClusterFront(replicas.handle, load_tokenizer(config.model),
-                            adapters=replicas.adapters, block_size=config.block_size,
-                            max_waiting=a.max_waiting,
-                            max_requests_per_user=a.max_requests_per_user,
-                            shutdown=replicas.stop)  # fmt: skip
+        front = dict(tokenizer=load_tokenizer(config.model), adapters=replicas.adapters,
+                     block_size=config.block_size, max_waiting=a.max_waiting,
+                     max_requests_per_user=a.max_requests_per_user,
+                     shutdown=replicas.stop)  # fmt: skip
+        if replicas.prefill is not None:
+            return DisaggFront(replicas.handle, replicas.prefill, **front)
+        return ClusterFront(replicas.handle, **front)
     except BaseException:
         replicas.stop()  # no Ray processes outlive a failed start
         raise

@@ -86,6 +86,8 @@ PEERS = {
         *(Peer(f"tutorserve-x2-{r}", partial(tutorserve_server, tiers=False, replicas=2,
                                               routing=r))
           for r in ROUTING_POLICIES),
+        # Prefill/decode disaggregation; tiers on (the prompts' blocks move through disk).
+        Peer("tutorserve-pd-1x1", partial(tutorserve_server, disagg=(1, 1))),
         Peer("vllm", vllm_server, partial(_vllm, all_cores=False), hf_export=True),
         Peer("vllm-allcores", partial(vllm_server, all_cores=True),
              partial(_vllm, all_cores=True), hf_export=True),

@@ -79,6 +79,7 @@ def tutorserve_server(
     speculative: str | None = None,
     replicas: int = 0,
     routing: str = "cache-aware",
+    disagg: tuple[int, int] | None = None,  # (prefill, decode) replicas
 ) -> System:
     # A fresh disk tier per run: one left by an earlier run would flatter this one.
     extra = ["--kv-disk-dir", tempfile.mkdtemp(prefix="bench-kv-")]
@@ -88,6 +89,9 @@ def tutorserve_server(
         extra += ["--speculative", speculative]
     if replicas:  # engines on Ray Serve, one thread each by default
         extra += ["--replicas", str(replicas), "--routing", routing]
+    if disagg is not None:  # needs the disk tier: its blocks move through it
+        extra += ["--prefill-replicas", str(disagg[0]), "--decode-replicas", str(disagg[1]),
+                  "--routing", routing]  # fmt: skip
     argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--model", s.files.gguf,
             "--served-model-name", s.files.name, "--dtype", s.dtype, "--max-num-seqs",
             str(s.max_num_seqs), "--kv-cache-gb", f"{s.kv_cache_gb:g}", *extra, "--max-waiting",

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, Protocol
 
 from ray import serve
 from ray.exceptions import RayActorError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 
 from tutorserve.cluster.adapters import AdapterRegistry
 from tutorserve.engine.async_engine import (
@@ -41,12 +42,21 @@ log = logging.getLogger(__name__)
 _STATS_PERIOD_S = 2.0
 
 
+class ReplicaCall(Protocol):
+    """A streaming call to a replica: Serve's response generator, or one made of several calls
+    (`disagg.py`)."""
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    def cancel(self) -> None: ...
+
+
 class ClusterStream(OutputStream):
     """A request's outputs from its replica; closing before the end cancels the call, and the
     replica aborts the request."""
 
     def __init__(self, front: ClusterFront, request_id: str, user: str | None,
-                 call: DeploymentResponseGenerator, n: int) -> None:  # fmt: skip
+                 call: ReplicaCall, n: int) -> None:  # fmt: skip
         super().__init__(request_id, user)
         self._front, self._call = front, call
         self._open = n  # choices not yet finished
@@ -91,6 +101,8 @@ class ClusterFront:
         shutdown: Callable[[], None] = lambda: None,
     ) -> None:
         self.handle = handle
+        # Every deployment of replicas, for broadcasts and stats (disaggregation adds one).
+        self.handles = [handle]
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.max_waiting = max_waiting
@@ -153,12 +165,18 @@ class ClusterFront:
         self._adapters.pop(name, None)
 
     async def _every_replica(self, method: str, *args: Any) -> None:
-        results = await self.handle.broadcast(method, *args).results_async(
-            timeout_s=120, return_exceptions=True
-        )
+        results = await self._broadcast(method, *args, timeout_s=120)
         errors = [_cause(r) for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
+
+    async def _broadcast(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        """Every replica's answer, or what it raised, over every deployment."""
+        answers = await asyncio.gather(*(
+            h.broadcast(method, *args).results_async(timeout_s=timeout_s, return_exceptions=True)
+            for h in self.handles
+        ))  # fmt: skip
+        return [r for got in answers for r in got]
 
     def stats(self) -> EngineStats:
         return replace(self._stats, num_waiting=self._stats.num_waiting + len(self._waiting))
@@ -181,9 +199,7 @@ class ClusterFront:
     async def _refresh_stats(self) -> None:
         while True:
             try:
-                got = await self.handle.broadcast("stats").results_async(
-                    timeout_s=10, return_exceptions=True
-                )
+                got = await self._broadcast("stats", timeout_s=10)
                 # A replica that raised is left out: it is dying, and Serve replaces it.
                 self._replicas = {rid: (s, names) for rid, s, names in
                                   (r for r in got if isinstance(r, tuple))}  # fmt: skip
@@ -194,8 +210,9 @@ class ClusterFront:
             await asyncio.sleep(_STATS_PERIOD_S)
 
     def _replica_states(self) -> dict[str, int]:
-        app = serve.status().applications[self.handle.app_name]
-        states = app.deployments[self.handle.deployment_name].replica_states
+        apps, states = serve.status().applications, Counter[str]()
+        for h in self.handles:
+            states.update(apps[h.app_name].deployments[h.deployment_name].replica_states)
         return dict(states)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -224,13 +241,19 @@ class ClusterFront:
             raise AdmissionError(
                 f"the cluster is at capacity ({len(self._waiting)} requests waiting)", 1
             )
-        call = self.handle.options(stream=True).generate.remote(
-            request_id, prompt_ids, params, priority=priority, session_id=session_id,
-            lora=lora, spec_scope=spec_scope, n=n, block_hashes=self.block_hashes(prompt_ids),
-        )  # fmt: skip
+        call = self._call(request_id, prompt_ids, params, priority=priority,
+                          session_id=session_id, lora=lora, spec_scope=spec_scope,
+                          n=n)  # fmt: skip
         self.users.add(user)
         self._waiting.add(request_id)
         return ClusterStream(self, request_id, user, call, n)
+
+    def _call(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+              **options: Any) -> ReplicaCall:  # fmt: skip
+        """The request's streaming call to the replica the router picks."""
+        return self.handle.options(stream=True).generate.remote(
+            request_id, prompt_ids, params, block_hashes=self.block_hashes(prompt_ids), **options
+        )
 
     def block_hashes(self, ids: list[int]) -> list[bytes]:
         """The chained hashes of the prompt's full blocks, as the engine's prefix cache keys

@@ -5,6 +5,7 @@ the adapters registered at run time (`adapters.py`) before its engine takes a re
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,11 +15,14 @@ from tutorserve.cluster.adapters import registered_adapters
 from tutorserve.config import EngineConfig
 from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.engine.engine import LLMEngine
+from tutorserve.engine.kv_cache_manager import extend_block_hashes
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.engine.stats import EngineStats
 from tutorserve.sampling_params import SamplingParams
 
 _UNBOUNDED = 1 << 30
+# How long a prefill replica waits for a prompt's blocks to reach the shared folder.
+_HANDOFF_WRITE_TIMEOUT_S = 30.0
 
 
 class EngineReplica:
@@ -67,6 +71,40 @@ class EngineReplica:
                 yield out
         finally:
             stream.close()
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        *,
+        session_id: str | None = None,
+        lora: str | None = None,
+        block_hashes: list[bytes] | None = None,  # read by the router, not here
+    ) -> int:
+        """Compute the prompt (one greedy token, discarded) and return once its full blocks are
+        in the shared disk folder, so a decode replica finds them by block hash; the number of
+        blocks written. Kept as a session's blocks are (that is what writes them through), under
+        its own id when the request has none; the pool keeps none of them held."""
+        await self._start()
+        engine = self.server.engine
+        if engine.store is None or engine.store.disk is None:
+            raise RuntimeError("prefill replicas need the shared disk tier (--kv-disk-dir)")
+        stream = self.server.submit(request_id, prompt_ids,
+                                    SamplingParams(max_tokens=1, temperature=0),
+                                    session_id=session_id or f"prefill:{request_id}",
+                                    lora=lora)  # fmt: skip
+        try:
+            async for out in stream:
+                if out.finished and out.finish_reason == "abort":
+                    raise RuntimeError(f"the prefill of {request_id} was aborted")
+        finally:
+            stream.close()
+        keys = extend_block_hashes([], prompt_ids, engine.config.block_size,
+                                   engine.check_lora(lora))  # fmt: skip
+        written = await asyncio.to_thread(engine.store.wait_written, keys, _HANDOFF_WRITE_TIMEOUT_S)
+        if not written:
+            raise RuntimeError(f"the prefill of {request_id}: blocks not on disk in time")
+        return len(keys)
 
     async def info(self) -> dict[str, Any]:
         return {

@@ -43,7 +43,8 @@ POLICIES = (
     Policy("prefix cache, round-robin", "round-robin", True),
     Policy("prefix cache, cache-aware routing", "cache-aware", True),
     Policy("prefix cache + RAM tier, cache-aware routing", "cache-aware", True, ram_tier=True),
-    # Simulated only: the cluster has no prefill/decode split yet (issue 19).
+    # KV moves over a simulated link; the cluster's split (cluster/disagg.py) moves it through
+    # the shared disk tier.
     Policy("prefix cache, cache-aware, P/D split 1:1", "cache-aware", True, prefill_share=0.5),
 )
 

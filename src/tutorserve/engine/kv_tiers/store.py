@@ -146,6 +146,21 @@ class TieredKVStore:
             if data is not None:
                 self._write_down(key, data, expires_at)
 
+    def wait_written(self, keys: list[bytes], timeout: float) -> bool:
+        """Whether `keys` are all on disk once the disk writes queued so far are done (or
+        `timeout` passed: never waits longer). With `session_write_through`, a session's
+        blocks are queued as its request ends. The writer runs writes in order, so a no-op
+        queued behind them marks their end; a write skipped for the backlog is no write to wait
+        for, and its key only makes the answer False. Called from any thread (the prefill side
+        of prefill/decode disaggregation, after its request ended)."""
+        if self.disk is None:
+            return False
+        try:
+            wait([self._writer.submit(lambda: None)], timeout=timeout)
+        except RuntimeError:  # the writer is shut down: the store is closing
+            return False
+        return all(self.disk.has(k) for k in keys)
+
     def _copy_out(self, block_ids: list[int]) -> list[torch.Tensor]:
         return [
             torch.stack((self.k_cache[:, :, b], self.v_cache[:, :, b])).cpu() for b in block_ids
