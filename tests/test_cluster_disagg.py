@@ -27,8 +27,8 @@ SHARED = [*PD, "--kv-disk-dir", "/tmp/kv"]
     [
         (["--prefill-replicas", "1"], "go together"),
         (["--decode-replicas", "2"], "go together"),
-        (PD, "give --kv-disk-dir"),
-        ([*SHARED, "--kv-disk-gb", "0"], "give --kv-disk-dir"),
+        ([*PD, "--ray-address", "10.0.0.1:6379"], "give --kv-disk-dir"),
+        ([*SHARED, "--kv-disk-gb", "0"], "nonzero --kv-disk-gb"),
         ([*SHARED, "--max-replicas", "3"], "fixed sizes"),
         ([*SHARED, "--replicas", "2"], "not both"),
         ([*SHARED, "--prefill-replicas", "0"], "at least 1"),
@@ -38,6 +38,7 @@ def test_disaggregation_options_are_checked_before_anything_starts(
     args, message, capsys, monkeypatch
 ):
     monkeypatch.delenv("TUTORSERVE_KV_DIR", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     # Checked before the model loads: the model named here does not exist.
     assert main(["serve", "--model", "/nonexistent", "--no-tutor", *args]) == 2
     assert message in capsys.readouterr().err

@@ -9,7 +9,7 @@ replica would serve the queued ones at once.
 
 With prefill/decode disaggregation (`--prefill-replicas P --decode-replicas D`), P replicas only
 compute prompts and D replicas continue the requests, the prompts' blocks moving between them
-through the shared disk tier (`disagg.py`): both sizes are fixed, and the folder must be named.
+through the shared disk tier (`disagg.py`): both sizes are fixed.
 
 Plain Python (no Ray), so the CLI can check the options before anything starts.
 """
@@ -142,12 +142,15 @@ def _disaggregated(a: argparse.Namespace, autoscale: bool) -> Scale:
     if a.prefill_replicas < 1 or a.decode_replicas < 1:
         raise ValueError(f"--prefill-replicas and --decode-replicas must be at least 1, got "
                          f"{a.prefill_replicas} and {a.decode_replicas}")  # fmt: skip
-    # The blocks move through the disk tier: it must be on, in a folder every replica sees,
-    # named on purpose (the default is a per-user cache folder, not a shared one).
+    # The blocks move through the disk tier: it must be on, in a folder every replica sees. On
+    # this host's own Ray instance the default folder is one; across the hosts of a cluster
+    # joined by address it must be named on purpose (a shared filesystem).
+    if not a.kv_disk_bytes:
+        raise ValueError("prefill/decode disaggregation moves KV blocks through the disk tier: "
+                         "give a nonzero --kv-disk-gb")  # fmt: skip
     default_dir = next(f.default for f in fields(EngineConfig) if f.name == "kv_disk_dir")
     named = a.kv_disk_dir != default_dir or os.environ.get("TUTORSERVE_KV_DIR")
-    if not a.kv_disk_bytes or not named:
-        raise ValueError("prefill/decode disaggregation moves KV blocks through the disk tier: "
-                         "give --kv-disk-dir (a folder every replica sees) and a nonzero "
-                         "--kv-disk-gb")  # fmt: skip
+    if (a.ray_address or os.environ.get("RAY_ADDRESS")) and not named:
+        raise ValueError("on a Ray cluster, prefill/decode disaggregation needs the disk tier in "
+                         "a folder every replica sees: give --kv-disk-dir")  # fmt: skip
     return Scale(a.decode_replicas, a.decode_replicas, prefill_replicas=a.prefill_replicas)
