@@ -287,6 +287,21 @@ def test_block_accounting_is_clean_on_both_sides_after_requests_end(pd, single):
         assert stats.kv_blocks_free == stats.kv_blocks  # cached blocks count as free
 
 
+def test_health_names_each_replicas_role(pd):
+    async def roles():
+        await pd.front.start()  # its stats rounds
+        try:
+            for _ in range(100):
+                if len(replicas := pd.front.health()["replicas"]) == 2:
+                    return sorted(r["role"] for r in replicas.values())
+                await asyncio.sleep(0.2)
+            raise AssertionError(f"not every replica answered: {pd.front.health()}")
+        finally:
+            pd.front._refresh.cancel()
+
+    assert asyncio.run(roles()) == ["decode", "prefill"]
+
+
 class FailingPrefills:
     """A prefill deployment whose every call fails (as a dead replica's would)."""
 

@@ -121,6 +121,7 @@ class ClusterFront:
         self._refresh: asyncio.Task | None = None
         # Replica id → (snapshot, adapter names) of each that answered the last stats round.
         self._replicas: dict[str, tuple[EngineStats, list[str]]] = {}
+        self._roles: dict[str, str] = {}  # replica id → its deployment's name
         self._serve_states: dict[str, int] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -166,17 +167,19 @@ class ClusterFront:
 
     async def _every_replica(self, method: str, *args: Any) -> None:
         results = await self._broadcast(method, *args, timeout_s=120)
-        errors = [_cause(r) for r in results if isinstance(r, BaseException)]
+        errors = [_cause(r) for _, r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
 
-    async def _broadcast(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-        """Every replica's answer, or what it raised, over every deployment."""
+    async def _broadcast(self, method: str, *args: Any, timeout_s: float) -> list[tuple[str, Any]]:
+        """Every replica's answer, or what it raised, over every deployment, with the
+        deployment's name (its replicas' role: "engine", or "prefill" / "decode")."""
         answers = await asyncio.gather(*(
             h.broadcast(method, *args).results_async(timeout_s=timeout_s, return_exceptions=True)
             for h in self.handles
         ))  # fmt: skip
-        return [r for got in answers for r in got]
+        return [(h.deployment_name, r) for h, got in zip(self.handles, answers, strict=True)
+                for r in got]  # fmt: skip
 
     def stats(self) -> EngineStats:
         return replace(self._stats, num_waiting=self._stats.num_waiting + len(self._waiting))
@@ -190,7 +193,12 @@ class ClusterFront:
         deployment's replicas by state (those starting or stopping included)."""
         return {
             "replicas": {
-                rid: {"running": s.num_running, "waiting": s.num_waiting, "adapters": names}
+                rid: {
+                    "role": self._roles.get(rid, ""),
+                    "running": s.num_running,
+                    "waiting": s.num_waiting,
+                    "adapters": names,
+                }
                 for rid, (s, names) in sorted(self._replicas.items())
             },
             "serve_replica_states": dict(self._serve_states),
@@ -201,8 +209,9 @@ class ClusterFront:
             try:
                 got = await self._broadcast("stats", timeout_s=10)
                 # A replica that raised is left out: it is dying, and Serve replaces it.
-                self._replicas = {rid: (s, names) for rid, s, names in
-                                  (r for r in got if isinstance(r, tuple))}  # fmt: skip
+                answered = [(role, r) for role, r in got if isinstance(r, tuple)]
+                self._replicas = {rid: (s, names) for _, (rid, s, names) in answered}
+                self._roles = {rid: role for role, (rid, _, _) in answered}
                 self._stats = combine([s for s, _ in self._replicas.values()])
                 self._serve_states = await asyncio.to_thread(self._replica_states)
             except Exception:  # a replica restarting: keep the last snapshot
