@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from ray.serve.handle import DeploymentHandle
 
-from tutorserve.cluster.front import ClusterFront, ReplicaCall, _cause
+from tutorserve.cluster.front import ClusterFront, ReplicaCall, replica_error
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.sampling_params import SamplingParams
 
@@ -69,7 +69,7 @@ class PrefillThenDecode:
             if self._cancelled:  # the client left: nothing failed
                 return
             log.warning("prefill of %s failed (%r): its decode replica computes the prompt",
-                        self.request_id, _cause(e))  # fmt: skip
+                        self.request_id, replica_error(e))  # fmt: skip
             return
         self.prefilled = True
         log.debug("prefill of %s: %d blocks on disk", self.request_id, blocks)

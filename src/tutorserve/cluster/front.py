@@ -75,7 +75,7 @@ class ClusterStream(OutputStream):
         except RayActorError as e:  # the replica died: Serve restarts it, the request is lost
             raise EngineDeadError(f"the replica serving this request stopped: {e}") from e
         except Exception as e:  # Ray wraps what the replica raised; give the caller its cause
-            raise _cause(e) from e
+            raise replica_error(e) from e
         if out.finished:
             self._open -= 1
             self._front.on_finished(out)
@@ -167,7 +167,7 @@ class ClusterFront:
 
     async def _every_replica(self, method: str, *args: Any) -> None:
         results = await self._broadcast(method, *args, timeout_s=120)
-        errors = [_cause(r) for _, r in results if isinstance(r, BaseException)]
+        errors = [replica_error(r) for _, r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
 
@@ -274,7 +274,7 @@ class ClusterFront:
         self.users.release(stream._user)
 
 
-def _cause(error: BaseException) -> BaseException:
+def replica_error(error: BaseException) -> BaseException:
     """What a replica raised, out of Ray's wrapping."""
     cause = getattr(error, "cause", None)
     return cause if isinstance(cause, BaseException) else error
