@@ -321,7 +321,9 @@ async def _until_done(
 
     task = asyncio.ensure_future(collect())
     while not task.done():
-        await asyncio.wait({task}, timeout=0.5)
+        # A departed client's request holds KV blocks until this notices: look often (a
+        # disconnect check only reads the ASGI receive queue).
+        await asyncio.wait({task}, timeout=0.1)
         if not task.done() and await is_disconnected():
             task.cancel()
             return None
