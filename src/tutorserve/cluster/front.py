@@ -119,9 +119,9 @@ class ClusterFront:
         self._waiting: set[str] = set()  # submitted, no output yet
         self._stats = combine([])
         self._refresh: asyncio.Task | None = None
-        # Replica id → (snapshot, adapter names) of each that answered the last stats round.
-        self._replicas: dict[str, tuple[EngineStats, list[str]]] = {}
-        self._roles: dict[str, str] = {}  # replica id → its deployment's name
+        # Replica id → (snapshot, adapter names, role: its deployment's name) of each that
+        # answered the last stats round.
+        self._replicas: dict[str, tuple[EngineStats, list[str], str]] = {}
         self._serve_states: dict[str, int] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -186,7 +186,7 @@ class ClusterFront:
 
     def replica_stats(self) -> dict[str, EngineStats]:
         """Each replica's snapshot (of those that answered the last round), by replica id."""
-        return {rid: stats for rid, (stats, _) in self._replicas.items()}
+        return {rid: stats for rid, (stats, _, _) in self._replicas.items()}
 
     def health(self) -> dict[str, Any]:
         """Each replica that answered the last stats round, and Serve's count of the
@@ -194,12 +194,12 @@ class ClusterFront:
         return {
             "replicas": {
                 rid: {
-                    "role": self._roles.get(rid, ""),
+                    "role": role,
                     "running": s.num_running,
                     "waiting": s.num_waiting,
                     "adapters": names,
                 }
-                for rid, (s, names) in sorted(self._replicas.items())
+                for rid, (s, names, role) in sorted(self._replicas.items())
             },
             "serve_replica_states": dict(self._serve_states),
         }
@@ -210,9 +210,8 @@ class ClusterFront:
                 got = await self._broadcast("stats", timeout_s=10)
                 # A replica that raised is left out: it is dying, and Serve replaces it.
                 answered = [(role, r) for role, r in got if isinstance(r, tuple)]
-                self._replicas = {rid: (s, names) for _, (rid, s, names) in answered}
-                self._roles = {rid: role for role, (rid, _, _) in answered}
-                self._stats = combine([s for s, _ in self._replicas.values()])
+                self._replicas = {rid: (s, names, role) for role, (rid, s, names) in answered}
+                self._stats = combine([s for s, _, _ in self._replicas.values()])
                 self._serve_states = await asyncio.to_thread(self._replica_states)
             except Exception:  # a replica restarting: keep the last snapshot
                 log.debug("cluster stats not refreshed", exc_info=True)

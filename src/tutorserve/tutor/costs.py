@@ -54,7 +54,8 @@ class CallLog:
 
 
 _log: ContextVar[CallLog | None] = ContextVar("tutor_call_log", default=None)
-# The call a model client's `report_usage` is charged to, where two run at once (a hedge).
+# The call a model client's `report_usage` is charged to: each model call runs in a context of
+# its own (`hedge.Attempt`), as two may run at once for one agent (a hedge).
 _charged: ContextVar[Call | None] = ContextVar("tutor_charged_call", default=None)
 
 
@@ -95,10 +96,7 @@ def logged_calls() -> list[Call]:
 
 def report_usage(prompt: int, cached: int, generated: int) -> None:
     """A model client's token counts for the call it is serving."""
-    call, log = _charged.get(), _log.get()
-    if call is None and log is not None and log.calls:
-        call = log.calls[-1]
-    if call is not None:
+    if (call := _charged.get()) is not None:
         call.prompt_tokens, call.cached_tokens, call.generated_tokens = prompt, cached, generated
 
 

@@ -176,7 +176,7 @@ class Routing:
         the side."""
         slow_s = self.breaker_config.slow_s
         latency = self.latency.get(id(primary.llm))
-        hedge_at = primary.started + (latency.hedge_after() if latency else slow_s)
+        hedge_at = primary.started + latency.hedge_after() if latency else float("inf")
         running = {primary.first_task: primary}
 
         async def drop(attempt: Attempt, failed: bool, abandoned: bool = False) -> None:
