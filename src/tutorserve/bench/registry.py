@@ -17,6 +17,7 @@ from tutorserve.bench.systems import (
     llama_server,
     transformers_server,
     tutorserve_server,
+    vllm_replicas_server,
     vllm_server,
 )
 from tutorserve.bench.workloads import Request
@@ -91,6 +92,8 @@ PEERS = {
         Peer("vllm", vllm_server, partial(_vllm, all_cores=False), hf_export=True),
         Peer("vllm-allcores", partial(vllm_server, all_cores=True),
              partial(_vllm, all_cores=True), hf_export=True),
+        # The peer of tutorserve-x2-round-robin: two vLLMs on one core each.
+        Peer("vllm-x2-round-robin", vllm_replicas_server, hf_export=True),
         Peer("llama-server", llama_server),
         Peer("llama-server-bf16", partial(llama_server, bf16=True), hf_export=True),
         Peer("transformers", transformers_server, _transformers, hf_export=True),

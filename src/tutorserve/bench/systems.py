@@ -100,16 +100,38 @@ def tutorserve_server(
 
 
 def vllm_server(name: str, s: ServeSpec, all_cores: bool = False) -> System:
-    py = vllm_python()
-    argv = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", s.files.hf_dir,
-            "--served-model-name", s.files.name, "--dtype", host_dtype(s.dtype),
-            "--max-model-len", "8192", "--enable-prefix-caching", "--max-num-seqs",
-            str(s.max_num_seqs), *s.listen]  # fmt: skip
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(s.kv_cache_gb)))}
+    env = {"VLLM_CPU_KVCACHE_SPACE": _vllm_kv_space(s.kv_cache_gb)}
     if all_cores:
         env |= vllm_all_cores_env()
-    missing = None if py.exists() else f"run {PEERS_DIR / 'install_vllm_cpu.sh'}"
-    return System(name, argv, env, missing)
+    return System(name, [*_vllm_command(s), *s.listen], env, _vllm_missing())
+
+
+def vllm_replicas_server(name: str, s: ServeSpec, replicas: int = 2) -> System:
+    """`replicas` vLLM-CPU servers, one core each and an even share of the KV pool, behind
+    `peers/round_robin.py` on `s.port`: the peer of our `--replicas N --routing round-robin`."""
+    upstream = [*_vllm_command(s), "--host", "127.0.0.1", "--port", "{port}"]
+    argv = [sys.executable, str(PEERS_DIR / "round_robin.py"), *s.listen, "--replicas",
+            str(replicas), "--replica-env", "VLLM_CPU_OMP_THREADS_BIND={i}", "--replica-env",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU=0", "--", *upstream]  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": _vllm_kv_space(s.kv_cache_gb / replicas)}
+    # Each vLLM compiles its model at start-up, the copies side by side on one core each.
+    return System(name, argv, env, _vllm_missing(), startup_timeout_s=600.0)
+
+
+def _vllm_command(s: ServeSpec) -> list[str]:
+    """vLLM's OpenAI server for `s`, less where it listens."""
+    return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            s.files.hf_dir, "--served-model-name", s.files.name, "--dtype", host_dtype(s.dtype),
+            "--max-model-len", "8192", "--enable-prefix-caching", "--max-num-seqs",
+            str(s.max_num_seqs)]  # fmt: skip
+
+
+def _vllm_kv_space(gb: float) -> str:
+    return str(max(1, math.ceil(gb)))  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
+
+
+def _vllm_missing() -> str | None:
+    return None if vllm_python().exists() else f"run {PEERS_DIR / 'install_vllm_cpu.sh'}"
 
 
 def llama_server(name: str, s: ServeSpec, bf16: bool = False) -> System:
