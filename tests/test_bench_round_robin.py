@@ -14,18 +14,19 @@ import pytest
 from tutorserve.bench.client import scrape_prefix_cache
 from tutorserve.bench.offline import PEERS_DIR
 
-# Says which copy it is in every answer, counts a prefix cache of its own, and streams five
-# pieces 50 ms apart, so that a proxy that buffers shows it.
+# Says which copy it is in every answer, counts a prefix cache of its own, streams five pieces
+# 50 ms apart (so that a proxy that buffers shows it), and is not ready while a file says so.
 FAKE = textwrap.dedent("""
     import json, os, sys, time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     NAME, I = os.environ["FAKE_NAME"], int(os.environ["FAKE_I"])
-    open(os.path.join(sys.argv[2], f"pid-{I}"), "w").write(str(os.getpid()))
+    DIR = sys.argv[2]
+    open(os.path.join(DIR, f"pid-{I}"), "w").write(str(os.getpid()))
 
     class H(BaseHTTPRequestHandler):
-        def reply(self, body, ctype="application/json"):
-            self.send_response(200)
+        def reply(self, body, ctype="application/json", status=200):
+            self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -38,6 +39,8 @@ FAKE = textwrap.dedent("""
                             f"# TYPE fake:prefix_cache_hits counter\\n"
                             f"fake:prefix_cache_hits_total {30 + 10 * I}\\n").encode(),
                            "text/plain")
+            elif os.path.exists(os.path.join(DIR, f"sick-{I}")):
+                self.reply(b'{"error": "not ready"}', status=503)
             else:
                 self.reply(json.dumps({"data": [{"id": "m"}], "from": NAME}).encode())
 
@@ -92,7 +95,7 @@ def proxy(tmp_path):
             pass
         time.sleep(0.1)
     pids = [int((tmp_path / f"pid-{i}").read_text()) for i in range(2)]
-    yield proc, url, pids
+    yield proc, url, pids, tmp_path
     proc.kill()
     for pid in pids:
         if alive(pid):
@@ -117,7 +120,7 @@ def stream(url: str) -> tuple[list[str], list[float]]:
 
 
 def test_round_robin_streams_sums_metrics_and_stops_its_copies(proxy):
-    proc, url, pids = proxy
+    proc, url, pids, tmp_path = proxy
     firsts = []
     for _ in range(4):
         texts, times = stream(url)
@@ -132,6 +135,9 @@ def test_round_robin_streams_sums_metrics_and_stops_its_copies(proxy):
     models = httpx.get(url + "/v1/models", timeout=5)
     assert models.status_code == 200 and models.json()["data"] == [{"id": "m"}]
     assert scrape_prefix_cache(url) == (100.0 + 200.0, 30.0 + 40.0)
+    (tmp_path / "sick-1").touch()  # one copy not ready: neither is the cluster
+    assert httpx.get(url + "/health", timeout=5).status_code == 503
+    assert httpx.get(url + "/v1/models", timeout=5).status_code == 503
 
     assert all(alive(pid) for pid in pids)
     proc.send_signal(signal.SIGTERM)
