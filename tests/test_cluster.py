@@ -10,7 +10,6 @@ import openai
 import pytest
 
 from conftest import _free_port, start_server
-from tutorserve.cluster.front import combine
 from tutorserve.cluster.routing import (
     CacheAware,
     Candidate,
@@ -84,7 +83,7 @@ def test_cluster_stats_are_the_replicas_summed():
     tier = TierSnapshot("ram", 1, 2, 3, 4, 0, 0, 1, 0.5, 10, 100, 2)
     a = EngineStats(1, 2, 10, 4, 6, 3, 100, 40, 0, (tier,), SpecCounters(1, 4, [1, 1]))
     b = EngineStats(2, 0, 10, 1, 9, 5, 50, 10, 1, (tier,), SpecCounters(2, 8, [2]))
-    total = combine([a, b])
+    total = EngineStats.sum([a, b])
     assert (total.num_running, total.kv_blocks, total.prefix_hit_tokens) == (3, 20, 50)
     assert total.tiers[0].hits == 2 and total.tiers[0].load_seconds == 1.0
     assert total.spec.accepted_per_position == [3, 1]

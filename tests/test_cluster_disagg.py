@@ -12,6 +12,7 @@ import pytest
 from tutorserve import LLM, SamplingParams
 from tutorserve.cli import main
 from tutorserve.cluster.disagg import PrefillThenDecode
+from tutorserve.engine.async_engine import AdmissionError
 from tutorserve.engine.outputs import RequestMetrics, RequestOutput
 
 BS = 16
@@ -191,7 +192,7 @@ class PDCluster:
         a = build_parser().parse_args([
             "serve", "--model", model, "--prefill-replicas", "1", "--decode-replicas", "1",
             "--no-tutor", "--num-kv-blocks", "512", "--dtype", "float32",
-            "--kv-disk-dir", str(kv_dir),
+            "--kv-disk-dir", str(kv_dir), "--enable-lora",
         ])  # fmt: skip
         config = EngineConfig.from_kwargs(**engine_options(a))
         self.front = _cluster_front(a, config, scale_from_args(a, batch=a.max_num_seqs))
@@ -300,6 +301,16 @@ def test_health_names_each_replicas_role(pd):
             pd.front._refresh.cancel()
 
     assert asyncio.run(roles()) == ["decode", "prefill"]
+    # The metrics' labels too, and only the decode replica counts towards the waiting cap.
+    assert sorted(role for _, role in pd.front.replica_stats()) == ["decode", "prefill"]
+    cap, pd.front.max_waiting = pd.front.max_waiting, 1
+    try:
+        stream = pd.front.submit("capped-0", [1, 2, 3], SamplingParams(max_tokens=1))
+        with pytest.raises(AdmissionError):
+            pd.front.submit("capped-1", [1, 2, 3], SamplingParams(max_tokens=1))
+        stream.close()
+    finally:
+        pd.front.max_waiting = cap
 
 
 class FailingPrefills:
@@ -321,3 +332,38 @@ def test_a_failed_prefill_falls_back_to_the_decode_replica_with_the_same_text(pd
         pd.front.prefill = real
     assert [o.text for o in outs] == single(prompts)
     assert [o.metrics.num_cached_tokens for o in outs] == [0, 0]  # the decode computed them
+
+
+def test_an_adapters_request_with_two_choices_goes_through_prefill_and_decode(
+    pd, synth_llama, tmp_path
+):
+    """The prefill replica writes the prompt's blocks under the adapter's keys, and the decode
+    replica finds them under the same keys; both choices equal one engine with the adapter."""
+    from tutorserve.lora.synth import synth_lora
+    from tutorserve.models.loader import load_model_config
+
+    path = str(synth_lora(tmp_path / "geometry", load_model_config(synth_llama), 8, seed=4))
+    llm = LLM(synth_llama, dtype="float32", lora_modules={"geometry": path}, max_lora_rank=16,
+              enable_prefix_caching=False, kv_ram_bytes=0)  # fmt: skip
+    ids = llm.tokenizer.encode("Lesson 3: the angles of a triangle add up to 180 degrees. " * 5)
+    expected = llm.generate([ids], GREEDY, lora="geometry")[0]
+    assert expected.text != llm.generate([ids], GREEDY)[0].text  # the adapter matters
+    llm.close()
+
+    async def two_choices():
+        await pd.front.load_lora("geometry", path)
+        try:
+            finals = {}
+            async with pd.front.submit("pd-lora", ids, GREEDY, lora="geometry", n=2) as s:
+                async for out in s:
+                    if out.finished:
+                        finals[out.index] = out
+            return finals
+        finally:
+            await pd.front.unload_lora("geometry")
+
+    finals = asyncio.run(asyncio.wait_for(two_choices(), 300))
+    assert sorted(finals) == [0, 1]
+    assert [finals[i].text for i in range(2)] == [expected.text] * 2
+    # Choice 0 came from the prefill's blocks; choice 1 from the blocks choice 0 left.
+    assert finals[0].metrics.num_cached_tokens == (len(ids) - 1) // BS * BS

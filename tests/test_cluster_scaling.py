@@ -60,19 +60,22 @@ def _samples(text):
             for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
 
 
-def test_cluster_metrics_carry_a_replica_label_and_one_engine_none():
+def test_cluster_metrics_carry_replica_and_role_labels_and_one_engine_none():
     tier = TierSnapshot("ram", 1, 2, 3, 4, 0, 0, 1, 0.5, 10, 100, 2)
     a = EngineStats(1, 2, 10, 4, 6, 3, 100, 40, 0, (tier,), SpecCounters(1, 4, [1]))
     b = EngineStats(0, 1, 10, 0, 10, 0, 30, 0, 2, (), SpecCounters())
-    cluster = _samples(EngineMetrics(lambda: a, lambda: {"r-a": a, "r-b": b}).render().decode())
-    assert cluster[("tutorserve:num_requests_waiting", (("replica", "r-b"),))] == 1
-    assert cluster[("tutorserve:prefix_cache_queries_total", (("replica", "r-a"),))] == 100
-    assert cluster[("tutorserve:kv_cache_blocks", (("replica", "r-a"), ("state", "used")))] == 4
-    assert cluster[("tutorserve:kv_tier_hits_total", (("replica", "r-a"), ("tier", "ram")))] == 1
-    # Engine-state samples are those a cluster without replicas lacks; all carry the label.
+    per_replica = {("r-a", "prefill"): a, ("r-b", "decode"): b}
+    cluster = _samples(EngineMetrics(lambda: a, lambda: per_replica).render().decode())
+    ra, rb = (("replica", "r-a"), ("role", "prefill")), (("replica", "r-b"), ("role", "decode"))
+    assert cluster[("tutorserve:num_requests_waiting", rb)] == 1
+    assert cluster[("tutorserve:prefix_cache_queries_total", ra)] == 100
+    assert cluster[("tutorserve:kv_cache_blocks", (*ra, ("state", "used")))] == 4
+    assert cluster[("tutorserve:kv_tier_hits_total", (*ra, ("tier", "ram")))] == 1
+    # Engine-state samples are those a cluster without replicas lacks; all carry the labels.
     no_replicas = {name for name, _ in _samples(EngineMetrics(lambda: a, dict).render().decode())}
-    engine = [labels for name, labels in cluster if name not in no_replicas]
-    assert len(engine) > 20 and all(dict(labels)["replica"] in ("r-a", "r-b") for labels in engine)
+    engine = [dict(labels) for name, labels in cluster if name not in no_replicas]
+    assert len(engine) > 20
+    assert all((x["replica"], x["role"]) in per_replica for x in engine)
     single = _samples(EngineMetrics(lambda: a).render().decode())
     assert single[("tutorserve:num_requests_waiting", ())] == 2
     assert not any("replica" in dict(labels) for _, labels in single)

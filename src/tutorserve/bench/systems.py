@@ -114,7 +114,9 @@ def vllm_replicas_server(name: str, s: ServeSpec, replicas: int = 2) -> System:
     `kv_cache_gb`. vLLM's pool is given in whole GiB, so it is capped by a block count instead
     (`--num-gpu-blocks-override`, of its CPU default 128-token blocks): the same tokens each."""
     blocks = int(s.kv_cache_gb * (1 << 30)) // (_kv_bytes_per_token(s) * _VLLM_CPU_BLOCK)
-    upstream = [*_vllm_command(s), "--block-size", str(_VLLM_CPU_BLOCK),
+    # vLLM refuses to start with a pool smaller than one request of its longest length.
+    longest = min(_VLLM_MAX_MODEL_LEN, blocks * _VLLM_CPU_BLOCK)
+    upstream = [*_vllm_command(s, longest), "--block-size", str(_VLLM_CPU_BLOCK),
                 "--num-gpu-blocks-override", str(blocks), "--host", "127.0.0.1",
                 "--port", "{port}"]  # fmt: skip
     argv = [sys.executable, str(PEERS_DIR / "round_robin.py"), *s.listen, "--replicas",
@@ -126,6 +128,7 @@ def vllm_replicas_server(name: str, s: ServeSpec, replicas: int = 2) -> System:
 
 
 _VLLM_CPU_BLOCK = 128
+_VLLM_MAX_MODEL_LEN = 8192
 
 
 def _kv_bytes_per_token(s: ServeSpec) -> int:
@@ -133,11 +136,11 @@ def _kv_bytes_per_token(s: ServeSpec) -> int:
     return cfg.kv_bytes_per_token(4 if host_dtype(s.dtype) == "float32" else 2)
 
 
-def _vllm_command(s: ServeSpec) -> list[str]:
+def _vllm_command(s: ServeSpec, max_model_len: int = _VLLM_MAX_MODEL_LEN) -> list[str]:
     """vLLM's OpenAI server for `s`, less where it listens."""
     return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model",
             s.files.hf_dir, "--served-model-name", s.files.name, "--dtype", host_dtype(s.dtype),
-            "--max-model-len", "8192", "--enable-prefix-caching", "--max-num-seqs",
+            "--max-model-len", str(max_model_len), "--enable-prefix-caching", "--max-num-seqs",
             str(s.max_num_seqs)]  # fmt: skip
 
 

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -34,7 +34,7 @@ from tutorserve.engine.async_engine import (
 from tutorserve.engine.engine import check_prompt
 from tutorserve.engine.kv_cache_manager import extend_block_hashes
 from tutorserve.engine.outputs import RequestOutput
-from tutorserve.engine.stats import EngineStats, SpecCounters, TierSnapshot
+from tutorserve.engine.stats import EngineStats
 from tutorserve.models.tokenizer import Tokenizer
 from tutorserve.sampling_params import SamplingParams, StructuredOutputs
 from tutorserve.structured import GrammarCompiler
@@ -109,7 +109,7 @@ class ClusterFront:
         self._grammars = GrammarCompiler(tokenizer, self.vocab_size)
         self._shutdown = shutdown
         self._waiting: set[str] = set()  # submitted, no output yet
-        self._stats = combine([])
+        self._stats = EngineStats.sum([])
         self._refresh: asyncio.Task | None = None
         # Replica id → (snapshot, adapter names, role: its deployment's name) of each that
         # answered the last stats round.
@@ -177,9 +177,10 @@ class ClusterFront:
     def stats(self) -> EngineStats:
         return replace(self._stats, num_waiting=self._stats.num_waiting + len(self._waiting))
 
-    def replica_stats(self) -> dict[str, EngineStats]:
-        """Each replica's snapshot (of those that answered the last round), by replica id."""
-        return {rid: stats for rid, (stats, _, _) in self._replicas.items()}
+    def replica_stats(self) -> dict[tuple[str, str], EngineStats]:
+        """Each replica's snapshot (of those that answered the last round), by (replica id,
+        role)."""
+        return {(rid, role): stats for rid, (stats, _, role) in self._replicas.items()}
 
     def health(self) -> dict[str, Any]:
         """Each replica that answered the last stats round, and Serve's count of the
@@ -205,7 +206,7 @@ class ClusterFront:
                 # A replica that raised is left out: it is dying, and Serve replaces it.
                 answered = [(role, r) for role, r in got if isinstance(r, tuple)]
                 self._replicas = {rid: (s, names, role) for role, (rid, s, names) in answered}
-                self._stats = combine([s for s, _, _ in self._replicas.values()])
+                self._stats = EngineStats.sum([s for s, _, _ in self._replicas.values()])
                 self._serve_states = await asyncio.to_thread(self._replica_states)
             except Exception:  # a replica restarting: keep the last snapshot
                 log.debug("cluster stats not refreshed", exc_info=True)
@@ -238,7 +239,9 @@ class ClusterFront:
         except AdmissionError:
             self.on_rejected("user_limit")
             raise
-        if len(self._waiting) >= self.max_waiting * max(1, len(self._replicas)):
+        # Only the replicas that take requests count (not prefill replicas).
+        serving = sum(role == self.handle.deployment_name for _, _, role in self._replicas.values())
+        if len(self._waiting) >= self.max_waiting * max(1, serving):
             self.on_rejected("queue_full")
             raise AdmissionError(
                 f"the cluster is at capacity ({len(self._waiting)} requests waiting)", 1
@@ -281,27 +284,3 @@ def replica_error(error: BaseException) -> BaseException:
     """What a replica raised, out of Ray's wrapping."""
     cause = getattr(error, "cause", None)
     return cause if isinstance(cause, BaseException) else error
-
-
-def combine(snapshots: list[EngineStats]) -> EngineStats:
-    """The cluster's snapshot: every counter summed over replicas, tiers summed by name."""
-    if not snapshots:
-        return EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, ())
-    numbers = {f.name: sum(getattr(s, f.name) for s in snapshots) for f in fields(EngineStats)
-               if f.name not in ("tiers", "spec")}  # fmt: skip
-    tiers: dict[str, TierSnapshot] = {}
-    for s in snapshots:
-        for t in s.tiers:
-            prev = tiers.get(t.name)
-            tiers[t.name] = t if prev is None else TierSnapshot(t.name, *(
-                getattr(prev, f.name) + getattr(t, f.name) for f in fields(TierSnapshot)[1:]
-            ))  # fmt: skip
-    spec = SpecCounters()
-    for s in snapshots:
-        spec.num_drafts += s.spec.num_drafts
-        spec.num_draft_tokens += s.spec.num_draft_tokens
-        for i, k in enumerate(s.spec.accepted_per_position):
-            if i == len(spec.accepted_per_position):
-                spec.accepted_per_position.append(0)
-            spec.accepted_per_position[i] += k
-    return EngineStats(**numbers, tiers=tuple(tiers.values()), spec=spec)

@@ -4,7 +4,7 @@ engine internals."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,3 +70,27 @@ class EngineStats:
     @property
     def kv_blocks_empty(self) -> int:
         return self.kv_blocks_free - self.kv_blocks_cached
+
+    @staticmethod
+    def sum(snapshots: list[EngineStats]) -> EngineStats:
+        """Several engines' snapshot (a cluster's): every counter summed, tiers summed by name."""
+        if not snapshots:
+            return EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, ())
+        numbers = {f.name: sum(getattr(s, f.name) for s in snapshots)
+                   for f in fields(EngineStats) if f.name not in ("tiers", "spec")}  # fmt: skip
+        tiers: dict[str, TierSnapshot] = {}
+        for s in snapshots:
+            for t in s.tiers:
+                prev = tiers.get(t.name)
+                tiers[t.name] = t if prev is None else TierSnapshot(t.name, *(
+                    getattr(prev, f.name) + getattr(t, f.name) for f in fields(TierSnapshot)[1:]
+                ))  # fmt: skip
+        spec = SpecCounters()
+        for s in snapshots:
+            spec.num_drafts += s.spec.num_drafts
+            spec.num_draft_tokens += s.spec.num_draft_tokens
+            for i, k in enumerate(s.spec.accepted_per_position):
+                if i == len(spec.accepted_per_position):
+                    spec.accepted_per_position.append(0)
+                spec.accepted_per_position[i] += k
+        return EngineStats(**numbers, tiers=tuple(tiers.values()), spec=spec)

@@ -31,15 +31,15 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75
 
 
 # The engine snapshots to export, by their label values: one engine's under no labels, or each
-# replica's under its id.
+# replica's under its id and role.
 Snapshots = Callable[[], dict[tuple[str, ...], EngineStats]]
 _M = TypeVar("_M", GaugeMetricFamily, CounterMetricFamily, SummaryMetricFamily)
 
 
 class _EngineStateCollector(Collector):
     """Engine state as gauges and counters; every sample carries `labels` first (none for one
-    engine, `replica` in a cluster, so a replica's counters restart with it without making
-    the cluster's sum go backwards)."""
+    engine, `replica` and `role` in a cluster, so a replica's counters restart with it without
+    making the cluster's sum go backwards)."""
 
     def __init__(self, snapshots: Snapshots, labels: list[str]) -> None:
         self.snapshots, self.labels = snapshots, labels
@@ -146,22 +146,20 @@ class _EngineStateCollector(Collector):
 
 
 class EngineMetrics:
-    """`replica_stats`, where the server fronts a cluster: each replica's snapshot by its id,
-    exported under a `replica` label; otherwise `stats`, the one engine's, unlabelled."""
+    """`replica_stats`, where the server fronts a cluster: each replica's snapshot by its id and
+    role (engine, or prefill / decode), exported under `replica` and `role` labels; otherwise
+    `stats`, the one engine's, unlabelled."""
 
     def __init__(
         self,
         stats: Callable[[], EngineStats],
-        replica_stats: Callable[[], dict[str, EngineStats]] | None = None,
+        replica_stats: Snapshots | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         if replica_stats is None:
             collector = _EngineStateCollector(lambda: {(): stats()}, [])
         else:
-            per_replica = replica_stats
-            collector = _EngineStateCollector(
-                lambda: {(rid,): s for rid, s in per_replica().items()}, ["replica"]
-            )
+            collector = _EngineStateCollector(replica_stats, ["replica", "role"])
         self.registry.register(collector)
         r = self.registry
         self.ttft = Histogram(
