@@ -114,8 +114,9 @@ def vllm_replicas_server(name: str, s: ServeSpec, replicas: int = 2) -> System:
     `kv_cache_gb`. vLLM's pool is given in whole GiB, so it is capped by a block count instead
     (`--num-gpu-blocks-override`, of its CPU default 128-token blocks): the same tokens each."""
     blocks = int(s.kv_cache_gb * (1 << 30)) // (_kv_bytes_per_token(s) * _VLLM_CPU_BLOCK)
-    # vLLM refuses to start with a pool smaller than one request of its longest length.
-    longest = min(_VLLM_MAX_MODEL_LEN, blocks * _VLLM_CPU_BLOCK)
+    # vLLM refuses to start unless its pool holds one request of its longest length, and it
+    # keeps one block back (measured: 54 blocks allow 6,784 tokens).
+    longest = min(_VLLM_MAX_MODEL_LEN, (blocks - 1) * _VLLM_CPU_BLOCK)
     upstream = [*_vllm_command(s, longest), "--block-size", str(_VLLM_CPU_BLOCK),
                 "--num-gpu-blocks-override", str(blocks), "--host", "127.0.0.1",
                 "--port", "{port}"]  # fmt: skip
