@@ -189,6 +189,21 @@ def test_bench_cli_errors(tmp_path):
     assert r.returncode == 2 and "not a bench result" in r.stderr
     r = run_cli("bench", "compare", "--systems", "tutorserve,nope")
     assert r.returncode == 2 and "unknown system" in r.stderr
+    r = run_cli("bench", "compare", "--systems", "tutorserve", "--kill-replica-after", "-1")
+    assert r.returncode == 2 and "--kill-replica-after" in r.stderr
+
+
+def test_a_run_with_a_killed_replica_is_labelled_so():
+    from tutorserve.bench.report import serving_table
+
+    def result(fault):
+        config = {"system": "x2", "workload": "w", "request_rate": 1.0, "fault": fault}
+        return {"config": config, "summary": {}}
+
+    table = serving_table([result(None), result({"killed_pid": 7, "killed_at_s": 30.2}),
+                           result({"killed_pid": None, "killed_at_s": None})])  # fmt: skip
+    rows = [line.split(" | ")[0] for line in table.splitlines()[2:]]
+    assert rows == ["| x2", "| x2, a replica killed at 30 s", "| x2"]
 
 
 def test_ttft_cut_ceiling_of_a_cold_burst():

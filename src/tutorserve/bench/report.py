@@ -72,7 +72,10 @@ def mean_extra(runs: list[SystemResult], key: str) -> float | None:
 
 # ---- serving benchmarks --------------------------------------------------------------------------
 def _label(result: dict) -> str:
-    return result["config"].get("system") or result["config"]["base_url"]
+    c = result["config"]
+    name = c.get("system") or c["base_url"]
+    killed = (c.get("fault") or {}).get("killed_at_s")  # `bench compare --kill-replica-after`
+    return name if killed is None else f"{name}, a replica killed at {killed:.0f} s"
 
 
 def serving_table(results: list[dict]) -> str:
