@@ -94,6 +94,7 @@ PEERS = {
         # Prefill/decode disaggregation; tiers on (the prompts' blocks move through disk).
         Peer("tutorserve-pd-1x1", partial(tutorserve_server, disagg=(1, 1))),
         Peer("vllm", vllm_server, partial(_vllm, all_cores=False), hf_export=True),
+        Peer("vllm-ngram", partial(vllm_server, ngram=True), hf_export=True),
         Peer("vllm-allcores", partial(vllm_server, all_cores=True),
              partial(_vllm, all_cores=True), hf_export=True),
         # The peer of tutorserve-x2-round-robin: two vLLMs on one core each.

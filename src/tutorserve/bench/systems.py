@@ -101,11 +101,16 @@ def tutorserve_server(
     return System(name, argv)
 
 
-def vllm_server(name: str, s: ServeSpec, all_cores: bool = False) -> System:
+def vllm_server(name: str, s: ServeSpec, all_cores: bool = False, ngram: bool = False) -> System:
     env = {"VLLM_CPU_KVCACHE_SPACE": _vllm_kv_space(s.kv_cache_gb)}
     if all_cores:
         env |= vllm_all_cores_env()
-    return System(name, [*_vllm_command(s), *s.listen], env, _vllm_missing())
+    # Prompt lookup as our `--speculative ngram` does it: 4 tokens drafted from the longest
+    # earlier match of the last 4 down to 2 tokens.
+    spec = ["--speculative-config", json.dumps({
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2})] if ngram else []  # fmt: skip
+    return System(name, [*_vllm_command(s), *spec, *s.listen], env, _vllm_missing())
 
 
 def vllm_replicas_server(name: str, s: ServeSpec, replicas: int = 2) -> System:
