@@ -26,9 +26,11 @@ import torch
 
 from tutorserve.bench.offline import PEERS_DIR, cache_dir, vllm_all_cores_env, vllm_python
 from tutorserve.engine.device import resolve_dtype
-from tutorserve.models.config import ModelConfig
+from tutorserve.models.loader import load_model_config
 
 log = logging.getLogger(__name__)
+_VLLM_CPU_BLOCK = 128  # vLLM-CPU's default KV block, in tokens
+_VLLM_MAX_MODEL_LEN = 8192
 
 
 @dataclass(slots=True)
@@ -133,12 +135,8 @@ def vllm_replicas_server(name: str, s: ServeSpec, replicas: int = 2) -> System:
     return System(name, argv, env, _vllm_missing(), startup_timeout_s=600.0)
 
 
-_VLLM_CPU_BLOCK = 128
-_VLLM_MAX_MODEL_LEN = 8192
-
-
 def _kv_bytes_per_token(s: ServeSpec) -> int:
-    cfg = ModelConfig.from_hf(json.loads((Path(s.files.hf_dir) / "config.json").read_text()))
+    cfg = load_model_config(s.files.hf_dir)
     return cfg.kv_bytes_per_token(4 if host_dtype(s.dtype) == "float32" else 2)
 
 

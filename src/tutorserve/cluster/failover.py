@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 # Serve notices a dead replica within seconds; past this the request fails rather than wait on.
 RESUME_DEADLINE_S = 60.0
 _FIRST_BACKOFF_S = 0.25
-_REPLICA_GONE = (RayActorError, ReplicaUnavailableError)
+# What a call raises when its replica is gone (died, or Serve gave up on it).
+REPLICA_GONE = (RayActorError, ReplicaUnavailableError)
 
 
 class ReplicaCall(Protocol):
@@ -83,7 +84,7 @@ class ResumingCall:
         while True:
             try:
                 out = await self._call.__anext__()
-            except _REPLICA_GONE as e:
+            except REPLICA_GONE as e:
                 if self._cancelled or not self._may_resume() or time.monotonic() > deadline:
                     raise
                 await self._resume(e)
@@ -131,7 +132,8 @@ class ResumingCall:
         fed = len(self._detok.ids) - len(before.token_ids)  # of this call's tokens
         for t in out.token_ids[fed:]:
             self._detok.add(t)
-        prior = self._last or before
+        prior = self._last  # set since the resume: `before` is what it was then
+        assert prior is not None
         m, b = out.metrics, before.metrics
         return replace(
             out,

@@ -20,11 +20,10 @@ from dataclasses import replace
 from typing import Any
 
 from ray import serve
-from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from tutorserve.cluster.adapters import AdapterRegistry
-from tutorserve.cluster.failover import ReplicaCall, ResumingCall
+from tutorserve.cluster.failover import REPLICA_GONE, ReplicaCall, ResumingCall
 from tutorserve.engine.async_engine import (
     AdmissionError,
     EngineDeadError,
@@ -64,7 +63,7 @@ class ClusterStream(OutputStream):
             out: RequestOutput = await self._call.__anext__()
         except StopAsyncIteration:
             raise EngineDeadError("the replica ended the request without a final output") from None
-        except RayActorError as e:  # the replica died and the request could not go elsewhere
+        except REPLICA_GONE as e:  # the replica died and the request could not go elsewhere
             raise EngineDeadError(f"the replica serving this request stopped: {e}") from e
         except Exception as e:  # Ray wraps what the replica raised; give the caller its cause
             raise replica_error(e) from e
@@ -115,6 +114,7 @@ class ClusterFront:
         # answered the last stats round.
         self._replicas: dict[str, tuple[EngineStats, list[str], str]] = {}
         self._serve_states: dict[str, int] = {}
+        self._serving = 0  # replicas among them that take requests
         self.resumed = 0  # calls sent again after their replica died
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -207,6 +207,8 @@ class ClusterFront:
                 answered = [(role, r) for role, r in got if isinstance(r, tuple)]
                 self._replicas = {rid: (s, names, role) for role, (rid, s, names) in answered}
                 self._stats = EngineStats.sum([s for s, _, _ in self._replicas.values()])
+                # The waiting cap counts the replicas that take requests (not prefill ones).
+                self._serving = sum(role == self.handle.deployment_name for role, _ in answered)
                 self._serve_states = await asyncio.to_thread(self._replica_states)
             except Exception:  # a replica restarting: keep the last snapshot
                 log.debug("cluster stats not refreshed", exc_info=True)
@@ -239,9 +241,7 @@ class ClusterFront:
         except AdmissionError:
             self.on_rejected("user_limit")
             raise
-        # Only the replicas that take requests count (not prefill replicas).
-        serving = sum(role == self.handle.deployment_name for _, _, role in self._replicas.values())
-        if len(self._waiting) >= self.max_waiting * max(1, serving):
+        if len(self._waiting) >= self.max_waiting * max(1, self._serving):
             self.on_rejected("queue_full")
             raise AdmissionError(
                 f"the cluster is at capacity ({len(self._waiting)} requests waiting)", 1
