@@ -243,7 +243,7 @@ def test_cli_errors_are_messages(tmp_path, capsys):
     assert "rerun calibrate" in capsys.readouterr().err
 
 
-def test_fit_serving_recovers_a_known_step_factor_and_overhead(tmp_path):
+def test_fit_serving_recovers_a_known_step_and_request_overhead(tmp_path):
     from dataclasses import asdict, replace
 
     from tutorserve.models.loader import load_tokenizer
@@ -253,12 +253,12 @@ def test_fit_serving_recovers_a_known_step_factor_and_overhead(tmp_path):
     config = {"argv": ["serve", "--kv-ram-gb", "0", "--kv-disk-gb", "0", "--kv-cache-gb", "0.05"],
               "workload": "edu-multiturn", "num_requests": 24, "request_rate": 0.2,
               "burstiness": 1.0, "arrival": "gamma", "seed": 3}  # fmt: skip
-    truth = replace(_cost(), serving_step_factor=1.25, request_overhead_s=0.04)
+    truth = replace(_cost(), serving_step_overhead_s=0.015, request_overhead_s=0.04)
     records = _simulate({"config": config}, truth, cfg, tok)[1].records()
     run = tmp_path / "measured.json"
     run.write_text(json.dumps({"config": config, "records": [asdict(r) for r in records]}))
     fitted = fit_serving([run], _cost(), cfg, tok)
-    assert fitted.serving_step_factor == pytest.approx(1.25, rel=0.02)
+    assert fitted.serving_step_overhead_s == pytest.approx(0.015, abs=0.001)
     assert fitted.request_overhead_s == pytest.approx(0.04, abs=0.005)
 
 

@@ -72,12 +72,14 @@ class StepCostModel:
     restore_s_per_block: float | None = None
     # What serving adds to the engine alone (`sim fit-serving`, from measured serving runs): the
     # time from a client's send to the engine's queue (HTTP, chat template, tokenizer, a Ray
-    # Serve hop), and how much slower steps run beside the server's own threads.
+    # Serve hop), and a fixed time per step (streaming each step's tokens out through the
+    # server, whose threads share the cores): added, not scaled, since it does not grow with
+    # what the step computes.
     request_overhead_s: float = 0.0
-    serving_step_factor: float = 1.0
+    serving_step_overhead_s: float = 0.0
 
     def step_seconds(self, shape: StepShape) -> float:
-        return self.serving_step_factor * float(np.dot(self.coef, features(shape)))
+        return float(np.dot(self.coef, features(shape))) + self.serving_step_overhead_s
 
     @classmethod
     def fit(cls, shapes: list[StepShape], seconds: list[float], **kw: Any) -> StepCostModel:

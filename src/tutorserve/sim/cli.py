@@ -141,7 +141,7 @@ def cmd_fit_serving(a: argparse.Namespace) -> int:
     cfg, tok = load_model_config(a.model), load_tokenizer(a.model)
     model = fit_serving([Path(f) for f in a.measured], cost, cfg, tok)
     model.save(a.out)
-    print(f"serving step factor {model.serving_step_factor:.3f}; request overhead "
+    print(f"serving step overhead {model.serving_step_overhead_s * 1000:.1f} ms; request overhead "
           f"{model.request_overhead_s * 1000:.0f} ms → {a.out}")  # fmt: skip
     print()
     provenance(f"fitted on {len(a.measured)} runs")
