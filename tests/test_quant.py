@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 from torch import nn
 
@@ -47,6 +46,23 @@ def reference(blocks: np.ndarray, fmt: str) -> np.ndarray:
     return quants.dequantize(blocks, GGMLQuantizationType[fmt]).astype(np.float64)
 
 
+INT8_ACTIVATIONS = {"Q4_0", "Q4_1", "Q8_0"}  # multiplied on integers (kernels/quant_x8.c)
+
+
+def as_kernel_reads(x: torch.Tensor, fmt: str) -> np.ndarray:
+    """x [B, k] as the kernel multiplies it, in float64: for the integer formats each group of four
+    values rounded to int8 codes (scale max|x| / 127, to nearest even)."""
+    v = x.float().numpy()
+    if fmt not in INT8_ACTIVATIONS:
+        return v.astype(np.float64)
+    blocks = v.reshape(v.shape[0], -1, 4)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    codes = np.rint(blocks * inv)
+    assert np.abs(codes).max() <= 127
+    return (codes.astype(np.float64) * (amax / np.float32(127))).reshape(v.shape)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernels_match_gguf_dequantize_and_a_float64_matmul(cpu_isa, fmt):
     k = 512 if quant.FORMATS[fmt][1] == 256 else 96  # whole blocks, an odd count of them
@@ -61,7 +77,7 @@ def test_kernels_match_gguf_dequantize_and_a_float64_matmul(cpu_isa, fmt):
     for batch in (1, 3, 4, 5, 17):  # below, at and above the kernel's tile of 4 rows
         for x in (torch.randn(batch, k), torch.randn(batch, k).bfloat16()):
             y = quant.matmul(w, fmt, k, x)
-            want = x.double().numpy() @ ref.T  # bf16 activations: exact products, float32 sums
+            want = as_kernel_reads(x, fmt) @ ref.T  # exact products, float32 sums
             np.testing.assert_allclose(y.double().numpy(), want, atol=2e-6 * np.abs(want).max())
             out = quant.matmul(w, fmt, k, x, torch.empty(batch, 67, dtype=torch.bfloat16))
             assert torch.equal(out, y.bfloat16())  # one rounding, to nearest even, as PyTorch's
@@ -72,7 +88,7 @@ def test_matmul_writes_a_column_slice_and_refuses_partial_blocks(cpu_isa):
     x = torch.randn(2, 64)
     out = torch.zeros(2, 20)
     quant.matmul(blocks, "Q4_1", 64, x, out[:, 6:14])
-    want = x.double() @ torch.from_numpy(reference(blocks.numpy(), "Q4_1")).T
+    want = torch.from_numpy(as_kernel_reads(x, "Q4_1") @ reference(blocks.numpy(), "Q4_1").T)
     assert torch.allclose(out[:, 6:14].double(), want, atol=1e-5)
     assert out[:, :6].abs().sum() == 0 and out[:, 14:].abs().sum() == 0
     with pytest.raises(ValueError, match="not whole blocks"):
@@ -90,7 +106,8 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
     rows, dtype, bias
 ):
     """q and k in Q4_K, v in Q6_K, as a Q4_K_M file keeps them, then a Q4_1 part; decode-sized
-    and prefill-sized batches take different paths."""
+    batches multiply on the blocks (the Q4_1 part on int8 activations), prefill-sized ones on
+    the dequantized weight."""
     spec = [("Q4_K", 48, 256), ("Q4_K", 16, 256), ("Q6_K", 16, 256), ("Q4_1", 16, 256)]
     parts = [
         QuantWeight(torch.from_numpy(random_blocks(f, n, k, seed=i)), f, k)
@@ -98,9 +115,14 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
     ]
     b = torch.randn(96) if bias else None
     layer = QuantLinear(parts, b, Scratch()).to(dtype)
-    w = torch.cat([torch.from_numpy(reference(p.blocks.numpy(), p.fmt)) for p in parts])
     x = torch.randn(rows, 256).to(dtype)
-    want = F.linear(x.double(), w, None if b is None else b.to(dtype).double())
+    read = as_kernel_reads if rows <= GEMV_ROWS else lambda x, fmt: x.double().numpy()
+    want = torch.cat(
+        [torch.from_numpy(read(x, p.fmt) @ reference(p.blocks.numpy(), p.fmt).T) for p in parts],
+        dim=1,
+    )
+    if b is not None:
+        want += b.to(dtype).double()
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, 96)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
@@ -144,7 +166,13 @@ HELD_TEXT = (
     "that energy to combine carbon dioxide from the air with water from the soil, making glucose "
     "and releasing oxygen. The glucose feeds the plant's growth, and the oxygen is what animals "
     "breathe. A student who remembers one sentence should remember this: plants make their own "
-    "food from light, water and air."
+    "food from light, water and air. "
+    "Fractions name parts of a whole. In the fraction three quarters, the bottom number says the "
+    "whole is cut into four equal pieces and the top number says we take three of them. To add "
+    "two fractions, first rewrite them with the same bottom number: one half becomes two "
+    "quarters, so one half plus one quarter is three quarters. A common mistake is to add the "
+    "tops and the bottoms separately, which would give two sixths, a smaller number than one "
+    "half on its own. Drawing the pieces, or cutting a paper strip, shows why that cannot be right."
 )
 
 
@@ -162,10 +190,15 @@ def test_the_default_model_on_its_q4_1_blocks_matches_itself_dequantized():
     # (a longer chunk multiplies their exact dequantization with PyTorch's GEMM).
     la = forward_logits(quantized.engine.model, ids, chunk=1).double()
     lb = forward_logits(plain.engine.model, ids).double()
-    top1 = (la.argmax(-1) == lb.argmax(-1)).double().mean().item()
+    agree = la.argmax(-1) == lb.argmax(-1)
+    top2 = lb.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
     delta = (la - lb).abs().mean().item()
-    print(f"top-1 agreement {top1:.4f}, mean |dlogit| {delta:.2e}")
-    assert top1 >= 0.99, (top1, delta)
+    print(f"top-1 agreement {agree.double().mean():.4f} of {len(ids)}, mean |dlogit| {delta:.2e}")
+    # The matmuls round activations to int8 (one scale per four values), so a near-tie may
+    # flip: 3 of these 206 positions, at top-2 margins of 0.016 or less. A clear winner may not.
+    assert agree[margin > 0.05].all(), margin[~agree]
+    assert agree.double().mean() >= 0.98 and delta < 0.1, (agree.double().mean(), delta)
     ppl = [perplexity(quantized.engine.model, ids, chunk=1), perplexity(plain.engine.model, ids)]
     assert abs(ppl[0] / ppl[1] - 1) < 0.01, ppl
     prefill = forward_logits(quantized.engine.model, ids).double()
@@ -176,8 +209,14 @@ def test_the_default_model_on_its_q4_1_blocks_matches_itself_dequantized():
                   "Give one tip for learning vocabulary.", "What is 3/4 + 1/8?")
     ]  # fmt: skip
     sp = SamplingParams(temperature=0, max_tokens=24)
-    same = [
-        a.token_ids == b.token_ids
-        for a, b in zip(quantized.generate(prompts, sp), plain.generate(prompts, sp), strict=True)
-    ]
-    assert sum(same) >= 3, same  # a near-tie may flip one reply's token; most are identical
+    replies = zip(quantized.generate(prompts, sp), plain.generate(prompts, sp), strict=True)
+    for prompt, (a, b) in zip(prompts, replies, strict=True):
+        if a.token_ids == b.token_ids:
+            continue
+        # where they part (one may end first: then the other's next token parts them)
+        pairs = enumerate(zip(a.token_ids, b.token_ids, strict=False))
+        common = next((i for i, (x, y) in pairs if x != y), min(len(a.token_ids), len(b.token_ids)))
+        # The replies part at a near-tie of the dequantized model, not at a clear choice.
+        context = quantized.tokenizer.encode(prompt) + b.token_ids[:common]
+        top2 = forward_logits(plain.engine.model, context)[-1].topk(2).values
+        assert top2[0] - top2[1] < 0.05, (prompt, common, top2)

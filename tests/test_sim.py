@@ -241,6 +241,11 @@ def test_cli_errors_are_messages(tmp_path, capsys):
     bad.write_text(json.dumps({"features": ["const"], "coef": [1.0]}))
     assert main(["sim", "validate", "--step-cost", str(bad), str(bad)]) == 2
     assert "rerun calibrate" in capsys.readouterr().err
+    _cost().save(bad)
+    old_fit = {**json.loads(bad.read_text()), "serving_step_factor": 1.1}
+    bad.write_text(json.dumps(old_fit))  # a serving fit from before the per-step overhead
+    assert main(["sim", "validate", "--step-cost", str(bad), str(bad)]) == 2
+    assert "rerun calibrate" in capsys.readouterr().err
 
 
 def test_fit_serving_recovers_a_known_step_and_request_overhead(tmp_path):

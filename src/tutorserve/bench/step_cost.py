@@ -13,7 +13,7 @@ the model monotone in every feature, as the simulator's planner search needs.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +131,8 @@ class StepCostModel:
     @classmethod
     def load(cls, path: str | Path) -> StepCostModel:
         data = json.loads(Path(path).read_text())
-        if tuple(data.pop("features", ())) != FEATURES:
+        unknown = set(data) - {"features", *(f.name for f in fields(cls))}
+        if tuple(data.pop("features", ())) != FEATURES or unknown:
             raise ValueError(f"{path}: not a step-cost model of this version (rerun calibrate)")
         return cls(**data)
 

@@ -42,7 +42,7 @@ LEVEL_FLAGS = {
     "neon": ["-DTS_NEON"],  # an AArch64 compiler targets NEON by default
     "avx2": ["-DTS_AVX2", "-mavx2", "-mfma", "-mf16c"],
     "avx512": _AVX512,
-    "avx512bf16": [*_AVX512, "-mavx512bf16", "-DTS_BF16DOT"],
+    "avx512bf16": [*_AVX512, "-mavx512bf16", "-DTS_BF16DOT", "-mavx512vnni", "-DTS_VNNI"],
 }
 
 _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

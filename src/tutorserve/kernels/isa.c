@@ -17,7 +17,10 @@ int tutorserve_cpu_levels(void) {
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq"))
         levels |= 1 << 3;
-    if ((levels & 1 << 3) && __builtin_cpu_supports("avx512bf16")) levels |= 1 << 4;
+    /* Every CPU with AVX512-BF16 so far (Cooper Lake, Sapphire Rapids, Zen 4) has VNNI too. */
+    if ((levels & 1 << 3) && __builtin_cpu_supports("avx512bf16") &&
+        __builtin_cpu_supports("avx512vnni"))
+        levels |= 1 << 4;
 #endif
     return levels;
 }

@@ -16,45 +16,23 @@
  * `quant_matmul` decodes a row once into a per-thread buffer, then multiplies it with every
  * activation row (y = x W^T), VL lanes at a time with the level's FMA; threads split the weight
  * rows. The codes are exact small integers and the scales are what the reference dequantizer
- * computes, so results differ from dequantize-then-matmul only in summation order.
+ * computes, so results differ from dequantize-then-matmul only in summation order. Q4_0, Q4_1
+ * and Q8_0, the formats of the default model, go to quant_x8.c, which rounds the activations to
+ * int8 to multiply on integers.
  */
 #include <stdlib.h>
 
-#include "simd.h"
+#include "convert.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-/* Activation rows multiplied per pass over a weight row: 8 where 32 vector registers hold their
- * accumulators (AVX-512), else 4. A decode row verifying 4 drafts is 5 rows: one pass. */
-enum { CHUNK = 16, MAX_TILE = 8, BATCH_TILE = VL == 16 ? MAX_TILE : 4 };
+/* Activation rows multiplied per pass over a decoded row: 8 where 32 vector registers hold their
+ * accumulators (AVX-512), else 4. */
+enum { CHUNK = 16, BATCH_TILE = VL == 16 ? 8 : 4 };
 
-/* An IEEE half at p (unaligned, little-endian) as float32: one instruction where F16C or
- * NEON has it, bit manipulation in the scalar build. */
-static inline float half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-#if defined(TS_AVX2) || defined(TS_AVX512)
-    return _cvtsh_ss(h);
-#elif defined(TS_NEON)
-    __fp16 f;
-    memcpy(&f, &h, sizeof f);
-    return (float)f;
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = h >> 10 & 0x1F, man = h & 0x3FF;
-    uint32_t bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | man << 13;
-    } else if (exp != 0) {
-        bits = sign | (exp + 112) << 23 | man << 13;
-    } else { /* zero or subnormal: man * 2^-24 */
-        const float f = (float)man * 5.9604644775390625e-8f;
-        memcpy(&bits, &f, sizeof bits);
-        bits |= sign;
-    }
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-#endif
-}
+/* Q4_0, Q4_1 and Q8_0 rows multiply on int8 activations instead (quant_x8.c). */
+int quant_matmul_x8(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
+                    int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy,
+                    int num_threads);
 
 /* Weights per block and bytes per block, or 0 for a format this file does not know. */
 static int group_of(int fmt) {
@@ -307,87 +285,6 @@ typedef struct {
     void *y;
 } MatmulArgs;
 
-/* float32 → bfloat16 bits, to nearest, ties to even (as PyTorch converts). */
-static inline uint16_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + (u >> 16 & 1u)) >> 16);
-}
-
-static inline void put(const MatmulArgs *a, int64_t b, int64_t r, float v) {
-    if (a->y_bf16)
-        ((uint16_t *)a->y)[b * a->ldy + r] = bf16_bits(v);
-    else
-        ((float *)a->y)[b * a->ldy + r] = v;
-}
-
-/* Q4_0, Q4_1 and Q8_0 blocks dequantize in registers, 32 weights at a time: no codes to write
- * to a buffer and read back, which was most of a batch-1 matmul's time. */
-__attribute__((always_inline)) static inline void block32(int fmt, const uint8_t *b, vf *w) {
-    const float d = half(b);
-    vf offset;
-    if (fmt == Q8_0) {
-        for (int v = 0; v < 32 / VL; v++) w[v] = vload_i8((const int8_t *)b + 2 + v * VL);
-        offset = vzero();
-    } else {
-        vnibbles(b + (fmt == Q4_1 ? 4 : 2), w);
-        offset = vset1(fmt == Q4_1 ? half(b + 2) : -8.f * d);
-    }
-    for (int v = 0; v < 32 / VL; v++) w[v] = vfma(w[v], vset1(d), offset);
-}
-
-/* y[b, r] for ROWS activation rows from b0, both compile-time in the callers below so that each
- * format's loop is its own and the accumulators stay in registers: two per activation row, so
- * that consecutive FMAs do not wait on each other's latency. */
-__attribute__((always_inline)) static inline void block32_tile(const MatmulArgs *a, const int FMT,
-                                                               int64_t r, int64_t b0,
-                                                               const int ROWS) {
-    const int nb = bytes_of(FMT);
-    const uint8_t *row = a->w + r * (a->k / 32) * nb;
-    vf acc[MAX_TILE][2];
-    for (int b = 0; b < ROWS; b++) acc[b][0] = acc[b][1] = vzero();
-    for (int64_t i = 0; i < a->k / 32; i++) {
-        vf w[32 / VL];
-        block32(FMT, row + i * nb, w);
-        for (int b = 0; b < ROWS; b++) {
-            const float *x = a->x + (b0 + b) * a->ldx + i * 32;
-            for (int v = 0; v < 32 / VL; v++)
-                acc[b][v & 1] = vfma(w[v], vload(x + v * VL), acc[b][v & 1]);
-        }
-    }
-    for (int b = 0; b < ROWS; b++) put(a, b0 + b, r, vhsum(vadd(acc[b][0], acc[b][1])));
-}
-
-__attribute__((always_inline)) static inline void block32_row(const MatmulArgs *a, int64_t r,
-                                                              const int FMT) {
-    for (int64_t b0 = 0; b0 < a->batch; b0 += BATCH_TILE) {
-        const int64_t rows = a->batch - b0 < BATCH_TILE ? a->batch - b0 : BATCH_TILE;
-        switch (rows) { /* each count its own unrolled loop; above 4 only with AVX-512 */
-        case 1: block32_tile(a, FMT, r, b0, 1); break;
-        case 2: block32_tile(a, FMT, r, b0, 2); break;
-        case 3: block32_tile(a, FMT, r, b0, 3); break;
-        case 4: block32_tile(a, FMT, r, b0, 4); break;
-        case 5: block32_tile(a, FMT, r, b0, 5); break;
-        case 6: block32_tile(a, FMT, r, b0, 6); break;
-        case 7: block32_tile(a, FMT, r, b0, 7); break;
-        default: block32_tile(a, FMT, r, b0, 8); break;
-        }
-    }
-}
-
-static void q4_0_row(const RowBuf *buf, int64_t r, const void *ctx) {
-    (void)buf;
-    block32_row(ctx, r, Q4_0);
-}
-static void q4_1_row(const RowBuf *buf, int64_t r, const void *ctx) {
-    (void)buf;
-    block32_row(ctx, r, Q4_1);
-}
-static void q8_0_row(const RowBuf *buf, int64_t r, const void *ctx) {
-    (void)buf;
-    block32_row(ctx, r, Q8_0);
-}
-
 static void matmul_row(const RowBuf *buf, int64_t r, const void *ctx) {
     const MatmulArgs *a = ctx;
     decode_row(a->fmt, a->w, r, a->k, buf->q, buf->scale, buf->offset);
@@ -395,7 +292,8 @@ static void matmul_row(const RowBuf *buf, int64_t r, const void *ctx) {
         const int64_t rows = a->batch - b0 < BATCH_TILE ? a->batch - b0 : BATCH_TILE;
         float out[BATCH_TILE];
         dot_tile(buf->q, buf->scale, buf->offset, a->k, a->x + b0 * a->ldx, a->ldx, rows, out);
-        for (int64_t b = 0; b < rows; b++) put(a, b0 + b, r, out[b]);
+        for (int64_t b = 0; b < rows; b++)
+            store_any(a->y, (b0 + b) * a->ldy + r, out[b], a->y_bf16);
     }
 }
 
@@ -405,6 +303,8 @@ static void matmul_row(const RowBuf *buf, int64_t r, const void *ctx) {
 int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
                  int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy, int num_threads) {
     if (!shape_ok(fmt, k)) return -1;
+    if (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0)
+        return quant_matmul_x8(w, fmt, n, k, x, x_bf16, batch, ldx, y, y_bf16, ldy, num_threads);
     MatmulArgs a = {w, fmt, y_bf16, k, batch, ldx, ldy, x, y};
     float *wide = NULL;
     if (x_bf16) {
@@ -417,9 +317,7 @@ int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const void *x, in
             }
         a.x = wide, a.ldx = k;
     }
-    const RowFn fn = fmt == Q4_0 ? q4_0_row : fmt == Q4_1 ? q4_1_row : fmt == Q8_0 ? q8_0_row
-                                                                                   : matmul_row;
-    const int status = for_each_row(n, k, num_threads, fn, &a);
+    const int status = for_each_row(n, k, num_threads, matmul_row, &a);
     free(wide);
     return status;
 }

@@ -81,14 +81,6 @@ static inline vf vsums(const vf *v) {
 static inline vf vload_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* A 4-bit block's 32 codes from its 16 bytes (low nibbles are codes 0-15, high ones 16-31) as
- * 32 / VL vectors. */
-static inline void vnibbles(const uint8_t *p, vf *w) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
-    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-}
 
 #elif defined(TS_AVX2)
 #include <immintrin.h>
@@ -153,14 +145,6 @@ static inline vf vsums(const vf *v) {
 static inline vf vload_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-static inline void vnibbles(const uint8_t *p, vf *w) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0F);
-    const __m128i half[2] = {_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low)};
-    for (int h = 0; h < 2; h++) {
-        w[2 * h] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half[h]));
-        w[2 * h + 1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(half[h], 8)));
-    }
-}
 
 #elif defined(TS_NEON)
 #include <arm_neon.h>
@@ -209,17 +193,6 @@ static inline vf vsums(const vf *v) {
 static inline vf vload_i8(const int8_t *p) {
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8(p)))));
 }
-static inline void vnibbles(const uint8_t *p, vf *w) {
-    const uint8x16_t v = vld1q_u8(p);
-    const uint8x16_t half[2] = {vandq_u8(v, vdupq_n_u8(0x0F)), vshrq_n_u8(v, 4)};
-    for (int h = 0; h < 2; h++) {
-        const uint16x8_t a = vmovl_u8(vget_low_u8(half[h])), b = vmovl_u8(vget_high_u8(half[h]));
-        w[4 * h + 0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(a)));
-        w[4 * h + 1] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(a)));
-        w[4 * h + 2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(b)));
-        w[4 * h + 3] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(b)));
-    }
-}
 
 #elif defined(TS_SCALAR)
 enum { VL = 1 };
@@ -267,12 +240,6 @@ static inline void vstore_bf16(uint16_t *p, vf x) {
 static inline vf vsums(const vf *v) { return v[0]; }
 
 static inline vf vload_i8(const int8_t *p) { return (float)*p; }
-static inline void vnibbles(const uint8_t *p, vf *w) {
-    for (int i = 0; i < 16; i++) {
-        w[i] = (float)(p[i] & 0xF);
-        w[i + 16] = (float)(p[i] >> 4);
-    }
-}
 
 #else
 #error "build with one of -DTS_SCALAR, -DTS_AVX2, -DTS_AVX512, -DTS_NEON (see build.py)"
