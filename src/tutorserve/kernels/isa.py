@@ -3,11 +3,11 @@
 Levels, lowest first: `scalar` (plain C, builds everywhere: the reference the others are tested
 against), `neon` (AArch64), `avx2` (AVX2 + FMA: 8-wide float32), `avx512` (16-wide) and
 `avx512bf16` (adds the bf16 and the int8 (VNNI) dot-product instructions). The best SIMD level
-the CPU runs is used, or the one `TUTORSERVE_CPU_ISA` names (to run a lower level on a higher CPU, e.g. to compare
-them); if a level's library cannot be built, the next one down runs. The scalar level runs only
-when named: on a CPU with no SIMD level PyTorch's own ops run instead, which beat plain C there
-(decode at batch 16: 169 ms/step gathering blocks against 226 ms in the scalar kernel,
-docs/benchmarks/offline.md). The choice is logged once.
+the CPU runs is used, or the one `TUTORSERVE_CPU_ISA` names (to run a lower level on a higher
+CPU, e.g. to compare them); if a level's library cannot be built, the next one down runs. The
+scalar level runs only when named: on a CPU with no SIMD level PyTorch's own ops run instead,
+which beat plain C there (decode at batch 16: 169 ms/step gathering blocks against 226 ms in the
+scalar kernel, docs/benchmarks/offline.md). The choice is logged once.
 """
 
 from __future__ import annotations
