@@ -1,7 +1,8 @@
 """Linear and embedding layers over quantized weights, for CPUs with our kernels.
 
 Up to `GEMV_ROWS` rows multiply on the blocks directly (`kernels/quant.c`: each row decoded
-once, then dotted with every activation row), reading 4.5-8.5 bits per weight instead of 16-32.
+once, then dotted with every activation row; Q4_0, Q4_1 and Q8_0 rows on int8 activations),
+reading 4.5-8.5 bits per weight instead of 16-32.
 More rows (prefill chunks, large decode batches) are compute-bound instead: the weight is
 dequantized into a scratch buffer the model's layers share, and PyTorch's GEMM runs on that.
 No layer keeps a float copy, but the buffer grows to the largest weight used that way (the LM
