@@ -3,6 +3,7 @@ prefix caching, preemption, both attention backends, LoRA and the context limit;
 leave no KV behind (no leaked block, nothing wrong in the prefix cache); and verification keeps
 the sampling distribution."""
 
+import gc
 from dataclasses import replace
 
 import numpy as np
@@ -16,6 +17,7 @@ from tutorserve.layers.attention.gather import GatherBackend
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
 from tutorserve.spec import NgramProposer, SuffixProposer, proposer_named, scope_key
+from tutorserve.spec import suffix as suffix_module
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SPEC = {
@@ -67,8 +69,12 @@ def test_suffix_proposer_stays_within_its_token_budget():
     scope = suffix._scopes[b"c"]
     assert scope.num_tokens <= 100 and len(scope.texts) <= 4
     # The index holds only the texts kept: its size is bounded with them.
-    assert {r for entries in scope.index.values() for r, _ in entries} == set(scope.texts)
+    occurrences = [suffix_module._occurrences(entries) for entries in scope.index.values()]
+    indexed = {e >> suffix_module._END_BITS for entries in occurrences for e in entries}
+    assert indexed == {text.ident for text in scope.texts.values()} == set(scope.by_ident)
     assert len(scope.index) <= 2 * scope.num_tokens
+    # Nothing in the index for the garbage collector to walk, however many tokens it holds.
+    assert not any(gc.is_tracked(entries) for entries in scope.index.values())
     for name in (b"d", b"e"):
         suffix.observe("x" + name.decode(), name, [1, 2, 3], 2)
     assert list(suffix._scopes) == [b"d", b"e"]  # the least recently used scope went

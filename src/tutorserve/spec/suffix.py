@@ -9,64 +9,83 @@ offers nothing.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import count
 
 from tutorserve.spec.ngram import latest_match
 from tutorserve.spec.proposer import Proposer
 
 _ENTRIES = 16  # occurrences remembered per n-gram (the latest)
+_END_BITS = 32  # an occurrence is (text id << _END_BITS) | end position, 8 bytes in the index
+_BYTES = 8
 
 
 @dataclass(slots=True)
 class _Text:
     """A request's tokens (the engine's own list, which grows as it decodes: no copy per step),
     from `start` (the end of its prompt, so a reply's first tokens match too); n-grams ending
-    before `indexed` are in the scope's index."""
+    before `indexed` are in the scope's index. `ident` names it in the index."""
 
     tokens: list[int]
     start: int
     indexed: int
+    ident: int
 
     def __len__(self) -> int:
         return len(self.tokens) - self.start
 
 
+def _occurrences(packed: bytes) -> array:
+    return array("q", packed)  # little-endian hosts (x86, ARM): as packed
+
+
 class _Scope:
     """The texts of one scope's requests, oldest first, and where each of their n-grams
-    occurred (positions in the request's tokens)."""
+    occurred. The index holds no object the garbage collector tracks (int keys: the n-gram's
+    hash; bytes of packed occurrences): with tuples and lists, a class's worth of indexed
+    tokens made each full collection of the server process walk them (147 ms pauses at batch
+    64, docs/benchmarks/speculative.md). Two n-grams with one hash only cost a rejected draft."""
 
     def __init__(self) -> None:
         self.texts: OrderedDict[str, _Text] = OrderedDict()
-        self.index: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+        self.by_ident: dict[int, _Text] = {}
+        self.index: dict[int, bytes] = {}
         self.num_tokens = 0
         self.accepted = 2.0  # moving average of tokens accepted per draft
+        self._idents = count()
 
-    def _grams(self, text: _Text, lo: int, hi: int, ns: range) -> Iterator[tuple[tuple, int]]:
+    def _grams(self, text: _Text, lo: int, hi: int, ns: range) -> Iterator[tuple[int, int]]:
         for end in range(max(lo, text.start + ns.start), hi):
             for n in ns:
                 if end - n >= text.start:
-                    yield tuple(text.tokens[end - n : end]), end
+                    yield hash(tuple(text.tokens[end - n : end])), end
 
     def add(self, request: str, tokens: list[int], start: int, ns: range) -> None:
         """Index the n-grams of the request's text that arrived since it was last seen."""
-        text = self.texts.get(request) or _Text(tokens, start, start)
+        text = self.texts.get(request)
+        if text is None:
+            text = _Text(tokens, start, start, next(self._idents))
+            self.by_ident[text.ident] = text
         text.tokens = tokens  # the same list each step in the engine; a caller may pass a new one
         self.texts[request] = text
         self.texts.move_to_end(request)
         self.num_tokens += len(tokens) - max(text.indexed, start)
+        tag = text.ident << _END_BITS
         for gram, end in self._grams(text, text.indexed, len(tokens), ns):
-            entries = self.index.setdefault(gram, [])
-            entries.append((request, end))
-            del entries[:-_ENTRIES]
+            kept = self.index.get(gram, b"")[-(_ENTRIES - 1) * _BYTES :]
+            self.index[gram] = kept + (tag | end).to_bytes(_BYTES, "little")
         text.indexed = len(tokens)
 
     def continuation(self, request: str, gram: tuple[int, ...], k: int) -> list[int]:
         """What followed `gram` most recently in another request's text."""
-        for other, end in reversed(self.index.get(gram, ())):
-            text = self.texts.get(other)
-            if other != request and text is not None and end < len(text.tokens):
+        mine = self.texts.get(request)
+        for entry in reversed(_occurrences(self.index.get(hash(gram), b""))):
+            text = self.by_ident.get(entry >> _END_BITS)
+            end = entry & ((1 << _END_BITS) - 1)
+            if text is not None and text is not mine and end < len(text.tokens):
                 return text.tokens[end : end + k]
         return []
 
@@ -79,11 +98,15 @@ class _Scope:
                 self.texts.move_to_end(oldest)
                 continue
             text = self.texts.pop(oldest)
+            del self.by_ident[text.ident]
             self.num_tokens -= text.indexed - text.start
             for gram, _ in self._grams(text, text.start, text.indexed, ns):
                 if entries := self.index.get(gram):
-                    entries[:] = [e for e in entries if e[0] != oldest]
-                    if not entries:
+                    kept = _occurrences(entries)
+                    kept = array("q", (e for e in kept if e >> _END_BITS != text.ident)).tobytes()
+                    if kept:
+                        self.index[gram] = kept
+                    else:
                         del self.index[gram]
 
 
