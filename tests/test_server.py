@@ -421,3 +421,24 @@ def test_speculative_decoding_over_http_matches_and_is_counted(synth_llama):
         assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
     finally:
         server.stop()
+
+
+def test_the_server_freezes_what_start_up_built_while_it_serves(synth_llama):
+    """Start-up's objects (model, libraries) are kept out of the collector's full passes while
+    the app runs, and handed back when it stops, so an app built again is not pinned."""
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    from tutorserve.config import EngineConfig
+    from tutorserve.engine.async_engine import AsyncEngine
+    from tutorserve.engine.engine import LLMEngine
+    from tutorserve.server.app import ServerSettings, build_app
+
+    config = EngineConfig.from_kwargs(model=synth_llama, dtype="float32")
+    app = build_app(AsyncEngine(lambda: LLMEngine(config)), ServerSettings("tiny"))
+    assert gc.get_freeze_count() == 0
+    with TestClient(app) as client:
+        assert gc.get_freeze_count() > 10_000
+        assert client.get("/health").status_code == 200
+    assert gc.get_freeze_count() == 0
