@@ -36,14 +36,17 @@ typedef struct {
  * four codes. Weights' Q4 codes are unsigned bytes; Q8_0's and the activations' are signed. A
  * step's second block, when the row has none left, reads the first again: its activation codes,
  * scales and sums load as zeros. */
+#if defined(TS_AVX2) || defined(TS_AVX512)
+typedef vf lanes; /* eight per block: one block with AVX2, two with AVX-512 */
+static inline lanes lanes_zero(void) { return vzero(); }
+static inline lanes lanes_fma(lanes a, lanes b, lanes c) { return vfma(a, b, c); }
+static inline lanes lanes_mul(lanes a, lanes b) { return vmul(a, b); }
+static inline float lanes_sum(lanes a) { return vhsum(a); }
+#endif
+
 #if defined(TS_AVX512)
 enum { STEP = 2 };
 typedef __m512i codes;
-typedef __m512 lanes;
-static inline lanes lanes_zero(void) { return _mm512_setzero_ps(); }
-static inline lanes lanes_fma(lanes a, lanes b, lanes c) { return _mm512_fmadd_ps(a, b, c); }
-static inline lanes lanes_mul(lanes a, lanes b) { return _mm512_mul_ps(a, b); }
-static inline float lanes_sum(lanes a) { return _mm512_reduce_add_ps(a); }
 static inline uint32_t u32_at(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, sizeof v);
@@ -104,15 +107,6 @@ static inline lanes acc_dot(lanes acc, codes w, codes x, lanes scale, const int 
 #elif defined(TS_AVX2)
 enum { STEP = 1 };
 typedef __m256i codes;
-typedef __m256 lanes;
-static inline lanes lanes_zero(void) { return _mm256_setzero_ps(); }
-static inline lanes lanes_fma(lanes a, lanes b, lanes c) { return _mm256_fmadd_ps(a, b, c); }
-static inline lanes lanes_mul(lanes a, lanes b) { return _mm256_mul_ps(a, b); }
-static inline float lanes_sum(lanes a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 static inline codes load_w(const int FMT, const uint8_t *p, int nb) {
     (void)nb;
     if (FMT == Q8_0) return _mm256_loadu_si256((const __m256i *)p);
