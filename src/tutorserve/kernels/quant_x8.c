@@ -223,7 +223,7 @@ __attribute__((always_inline)) static inline void step(const Args *a, const int 
 /* y[b, r] for ROWS activation rows from b0; FMT and ROWS are compile-time in the callers, so
  * each pair gets its own loop with the accumulators in registers. Below four rows, each row has
  * two, for alternate steps, so that consecutive steps do not wait on each other's multiply-add
- * latency; with more rows that latency is hidden already, and 16 accumulators spill. */
+ * latency; with more rows that latency is hidden already, and twice the accumulators spill. */
 __attribute__((always_inline)) static inline void tile(const Args *a, const int FMT, int64_t r,
                                                        int64_t b0, const int ROWS) {
     const int nb = FMT == Q8_0 ? 34 : FMT == Q4_1 ? 20 : 18;

@@ -9,6 +9,7 @@ offers nothing.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -19,8 +20,8 @@ from tutorserve.spec.ngram import latest_match
 from tutorserve.spec.proposer import Proposer
 
 _ENTRIES = 16  # occurrences remembered per n-gram (the latest)
-_END_BITS = 32  # an occurrence is (text id << _END_BITS) | end position, 8 bytes in the index
-_BYTES = 8
+_END_BITS = 32  # an occurrence is (text id << _END_BITS) | end position
+_BYTES = 8  # an occurrence's size in the index (native byte order, as `array` reads it)
 
 
 @dataclass(slots=True)
@@ -39,15 +40,16 @@ class _Text:
 
 
 def _occurrences(packed: bytes) -> array:
-    return array("q", packed)  # little-endian hosts (x86, ARM): as packed
+    return array("q", packed)
 
 
 class _Scope:
     """The texts of one scope's requests, oldest first, and where each of their n-grams
     occurred. The index holds no object the garbage collector tracks (int keys: the n-gram's
     hash; bytes of packed occurrences): with tuples and lists, a class's worth of indexed
-    tokens made each full collection of the server process walk them (147 ms pauses at batch
-    64, docs/benchmarks/speculative.md). Two n-grams with one hash only cost a rejected draft."""
+    tokens made each full collection of the server process walk them (137–162 ms pauses at
+    batch 64, docs/benchmarks/speculative.md). Two n-grams with one hash only cost a rejected
+    draft."""
 
     def __init__(self) -> None:
         self.texts: OrderedDict[str, _Text] = OrderedDict()
@@ -76,7 +78,7 @@ class _Scope:
         tag = text.ident << _END_BITS
         for gram, end in self._grams(text, text.indexed, len(tokens), ns):
             kept = self.index.get(gram, b"")[-(_ENTRIES - 1) * _BYTES :]
-            self.index[gram] = kept + (tag | end).to_bytes(_BYTES, "little")
+            self.index[gram] = kept + (tag | end).to_bytes(_BYTES, sys.byteorder)
         text.indexed = len(tokens)
 
     def continuation(self, request: str, gram: tuple[int, ...], k: int) -> list[int]:
@@ -102,10 +104,9 @@ class _Scope:
             self.num_tokens -= text.indexed - text.start
             for gram, _ in self._grams(text, text.start, text.indexed, ns):
                 if entries := self.index.get(gram):
-                    kept = _occurrences(entries)
-                    kept = array("q", (e for e in kept if e >> _END_BITS != text.ident)).tobytes()
-                    if kept:
-                        self.index[gram] = kept
+                    left = [e for e in _occurrences(entries) if e >> _END_BITS != text.ident]
+                    if left:
+                        self.index[gram] = array("q", left).tobytes()
                     else:
                         del self.index[gram]
 
