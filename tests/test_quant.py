@@ -74,7 +74,7 @@ def test_kernels_match_gguf_dequantize_and_a_float64_matmul(cpu_isa, fmt):
     assert torch.equal(quant.dequantize(w, fmt, k, rows=rows), torch.from_numpy(ref[rows]).float())
     bf16 = quant.dequantize(w, fmt, k, torch.bfloat16)
     assert torch.equal(bf16, torch.from_numpy(ref).float().bfloat16())
-    for batch in (1, 3, 4, 5, 17):  # below, at and above the kernel's tile of 4 rows
+    for batch in (1, 3, 4, 5, 17):  # below, at and above the tiles (4 rows; 6 or 8 with AVX-512)
         for x in (torch.randn(batch, k), torch.randn(batch, k).bfloat16()):
             y = quant.matmul(w, fmt, k, x)
             want = as_kernel_reads(x, fmt) @ ref.T  # exact products, float32 sums
