@@ -46,7 +46,8 @@ voice-deps:
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq espeak-ng; }
 
 # The kernels' NEON level is tested on x86-64 hosts by cross-compiling it and running it under
-# qemu (tests/test_kernels_arm.py); an AArch64 host runs it natively.
+# qemu (tests/test_kernels_arm.py); an AArch64 host runs it natively. qemu-user also emulates
+# x86-64 CPUs without AVX-512 (tests/test_kernels_x86.py).
 cross-arm:
 	@[ "$$(uname -m)" != x86_64 ] || { command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 && \
 		command -v qemu-aarch64 >/dev/null 2>&1; } || { $(SUDO) apt-get update -qq && \

@@ -7,6 +7,7 @@ segments on the same running batch, so the box's noise hits both sides alike.
     .venv/bin/python bench/decode_ab.py suffix-flash --pairs 10   # a change tried and not landed
     .venv/bin/python bench/decode_ab.py in-place --pairs 10
     .venv/bin/python bench/decode_ab.py fused-norm-act --pairs 10
+    .venv/bin/python bench/decode_ab.py rope-kv-kernels --batch 1 --quantization auto
     .venv/bin/python bench/decode_ab.py kv-bf16 --dtype float32   # two engines, same requests
     TUTORSERVE_CPU_ISA=avx2 .venv/bin/python bench/decode_ab.py in-place --batch 16 \
         --dtype float32 --kv-cache-dtype bfloat16   # one ISA level of the kernels, forced
@@ -29,6 +30,8 @@ import tutorserve.layers.rotary as rotary
 from tutorserve import LLM, SamplingParams
 from tutorserve.bench.workloads import edu_shared_prefix
 from tutorserve.kernels import isa, norm_act
+from tutorserve.kernels import paged_attention as attention_kernels
+from tutorserve.kernels import rotary as rotary_kernel
 from tutorserve.layers.attention.gather import GatherBackend
 
 
@@ -49,7 +52,8 @@ def _suffix_flash(q, k, v, bias, scale):
 def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
     """change → (label with it, label without it, set(on))."""
     key, rope, attend = metadata._prefix_key, rotary.RotaryEmbedding.forward, gather._attend
-    supports = norm_act.supports
+    supports, supports_rope = norm_act.supports, rotary_kernel.supports
+    supports_write = attention_kernels.supports_write
     runner = llm.engine.runner
     kernel, gathering = runner.backend, GatherBackend()
 
@@ -57,8 +61,13 @@ def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
         runner.backend = gathering
         metadata._prefix_key = key if on else (lambda *a: ())
 
-    def rope_step(on: bool) -> None:
+    def rope_step(on: bool) -> None:  # both sides in PyTorch ops, as it was measured
+        rotary_kernel.supports = lambda *a: False
         rotary.RotaryEmbedding.forward = rope if on else _rope_per_layer
+
+    def rope_kv(on: bool) -> None:
+        rotary_kernel.supports = supports_rope if on else (lambda *a: False)
+        attention_kernels.supports_write = supports_write if on else (lambda *a: False)
 
     def flash(on: bool) -> None:  # the gather path too
         runner.backend = gathering
@@ -76,26 +85,32 @@ def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
         "suffix-flash": ("flash", "unfused", flash),
         "in-place": ("kernel reads blocks in place", "gather then attend", in_place),
         "fused-norm-act": ("fused add+RMSNorm, SiLU*up", "PyTorch ops", fused),
+        "rope-kv-kernels": ("RoPE and KV write in C", "PyTorch ops", rope_kv),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     changes = ["fused-norm-act", "in-place", "kv-bf16", "prefix-reuse", "rope-per-step"]
-    changes.append("suffix-flash")
+    changes += ["rope-kv-kernels", "suffix-flash"]
     p.add_argument("change", choices=changes)
     p.add_argument("--pairs", type=int, default=10)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--batch", type=int, default=64, help="decode rows (1 to 64)")
     p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--quantization", default="none", help="as `serve --quantization`")
     a = p.parse_args()
-    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype)
+    llm = LLM(a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization)
     engines = {True: llm.engine, False: llm.engine}
     if a.change == "kv-bf16":  # a storage dtype is fixed per engine: a second one, float32 KV
         with_it, without, switch = "KV stored in bf16", "KV stored in float32", lambda on: None
-        engines[True] = LLM(a.model, dtype=a.dtype, kv_cache_dtype="bfloat16").engine
-        engines[False] = LLM(a.model, dtype=a.dtype, kv_cache_dtype="float32").engine
+        engines[True] = LLM(
+            a.model, dtype=a.dtype, kv_cache_dtype="bfloat16", quantization=a.quantization
+        ).engine
+        engines[False] = LLM(
+            a.model, dtype=a.dtype, kv_cache_dtype="float32", quantization=a.quantization
+        ).engine
     else:
         with_it, without, switch = _toggles(llm)[a.change]
     kernels, levels = isa.active(), ", ".join(isa.cpu_levels())

@@ -1,6 +1,7 @@
 /* Runs the kernels on fixed pseudo-random inputs and writes their outputs, so that one ISA
  * level's build can be compared with another's (here NEON vs scalar, under qemu): attention,
- * norm and activation, and the quantized-weight matmul and dequantizer in every format. */
+ * norm and activation, rotary embedding and the KV write, and the quantized-weight matmul and
+ * dequantizer in every format. */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -12,6 +13,11 @@ int silu_mul(const void *, void *, int64_t, int64_t, int, int);
 int quant_matmul(const void *, int, int64_t, int64_t, const void *, int, int64_t, int64_t, void *,
                  int, int64_t, int);
 int quant_dequantize(const void *, int, int64_t, const int64_t *, int64_t, void *, int, int);
+int rotary_embedding(const int64_t *, void *, void *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                     int64_t, int64_t, int64_t, const void *, const void *, int64_t, int, int,
+                     int);
+int write_kv(const void *, const void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+             const int64_t *, void *, void *, int64_t, int, int, int);
 static uint32_t s = 12345;
 static float rnd(void) { s = s * 1664525u + 1013904223u; return ((s >> 8) / 16777216.f) * 4.f - 2.f; }
 static uint16_t bf(float x) { uint32_t u; memcpy(&u, &x, 4); return (uint16_t)(u >> 16); }
@@ -63,6 +69,14 @@ int main(int argc, char **argv) {
         quant_dequantize(blocks, id, 512, NULL, 5, deq, 0, 1);
         fwrite(qy, sizeof qy, 1, f); fwrite(deq, sizeof deq, 1, f);
     }
+    /* x as 8 tokens of 6 query and 3 key heads of 64: rotate them, then write the keys (and the
+     * norm's output as values) into a cache of 3 heads x 32 slots. */
+    static float cs[16 * 64], sn[16 * 64], kc[3 * 32 * 64], vc[3 * 32 * 64];
+    for (int i = 0; i < 16 * 64; i++) { cs[i] = rnd(); sn[i] = rnd(); }
+    int64_t pos[8] = {7, 0, 15, 3, 3, 9, 1, 12}, slots[8] = {31, 0, 5, 17, 2, 30, 8, 16};
+    rotary_embedding(pos, x, x + 6 * 64, 8, 6, 3, 64, 576, 64, 576, 64, cs, sn, 16, 0, 0, 1);
+    write_kv(x + 6 * 64, o + 6 * 64, 8, 3, 64, 576, 576, 64, slots, kc, vc, 32, 0, 0, 1);
+    fwrite(x, sizeof x, 1, f); fwrite(kc, sizeof kc, 1, f); fwrite(vc, sizeof vc, 1, f);
     fclose(f);
     return 0;
 }

@@ -198,9 +198,11 @@ def test_a_prefix_too_big_to_copy_is_gathered_every_step():
 def test_rotary_looks_positions_up_once_per_step_and_never_reuses_another_steps():
     from tutorserve.layers.rotary import RotaryEmbedding
 
-    rope = RotaryEmbedding(DIM, 64, 10000.0)
+    # float64: the PyTorch ops, not the kernel (which rotates in place, caching nothing)
+    rope = RotaryEmbedding(DIM, 64, 10000.0).double()
     g = torch.Generator().manual_seed(12)
-    q, k = torch.randn(3, 4, DIM, generator=g), torch.randn(3, 2, DIM, generator=g)
+    q = torch.randn(3, 4, DIM, generator=g, dtype=torch.float64)
+    k = torch.randn(3, 2, DIM, generator=g, dtype=torch.float64)
 
     def fresh(pos):
         cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
@@ -216,8 +218,68 @@ def test_rotary_looks_positions_up_once_per_step_and_never_reuses_another_steps(
         got, want = rope(pos, q, k), fresh(pos)
         torch.testing.assert_close(got[0], want[0])
         torch.testing.assert_close(got[1], want[1])
-    got = rope(step2, q.double(), k.double())  # another dtype: looked up again, in that dtype
-    assert got[0].dtype == torch.float64
+    got = rope(step2, q.float(), k.float())  # another dtype: looked up again, in that dtype
+    assert got[0].dtype == torch.float32
+
+
+def qkv_views(tokens, heads, kv_heads, dim, dtype, seed):
+    """q, k, v as the model has them: views into one fused projection's output rows."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    return (
+        q.view(tokens, heads, dim),
+        k.view(tokens, kv_heads, dim),
+        v.view(tokens, kv_heads, dim),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_kernel_matches_the_pytorch_ops(cpu_isa, dtype, table_dtype):
+    """In place on views into the QKV output; bf16 bit for bit (the same roundings), float32
+    within an ulp (the kernel may fuse a product and a sum)."""
+    from tutorserve.kernels import rotary
+    from tutorserve.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 512, 10000.0).to(table_dtype)
+    q, k, _ = qkv_views(37, 9, 3, 64, dtype, seed=5)
+    positions = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(6))
+    positions[:2] = torch.tensor([0, 511])
+    cos = rope.cos[positions].unsqueeze(1).to(dtype)
+    sin = rope.sin[positions].unsqueeze(1).to(dtype)
+
+    def reference(x):
+        return x * cos + torch.cat((-x[..., 32:], x[..., :32]), -1) * sin
+
+    want_q, want_k = reference(q), reference(k)
+    assert rotary.supports(q, k, rope.cos)
+    got_q, got_k = rope(positions, q, k)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+    tol = 0 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got_q, want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_k, want_k, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="out of range"):
+        rotary.rotary_embedding(torch.tensor([512] * 37), q, k, rope.cos, rope.sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_write_kernel_matches_index_copy(cpu_isa, dtype, kv_dtype):
+    _, k, v = qkv_views(20, 6, KVH, DIM, dtype, seed=7)
+    slots = torch.randperm(BLOCKS * BS, generator=torch.Generator().manual_seed(8))[:20]
+    got, want = make_layer(9, kv_dtype), make_layer(9, kv_dtype)
+    assert kernel.supports_write(k, v, got.k_cache)
+    kernel.write_kv(k, v, slots, got.k_cache, got.v_cache)
+    for cache, new in ((want.k_cache, k), (want.v_cache, v)):
+        cache.view(KVH, -1, DIM).index_copy_(1, slots, new.transpose(0, 1).to(kv_dtype))
+    assert torch.equal(got.k_cache, want.k_cache) and torch.equal(got.v_cache, want.v_cache)
+    bad = slots.clone()
+    bad[-1] = BLOCKS * BS  # one past the cache: refused before anything is written
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernel.write_kv(k + 1, v + 1, bad, got.k_cache, got.v_cache)
+    assert torch.equal(got.k_cache, want.k_cache) and torch.equal(got.v_cache, want.v_cache)
+    assert not kernel.supports_write(k.double(), v.double(), got.k_cache)  # PyTorch writes it
 
 
 DTYPE_PAIRS = {  # (queries, K/V cache)

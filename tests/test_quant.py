@@ -196,9 +196,11 @@ def test_the_default_model_on_its_q4_1_blocks_matches_itself_dequantized():
     delta = (la - lb).abs().mean().item()
     print(f"top-1 agreement {agree.double().mean():.4f} of {len(ids)}, mean |dlogit| {delta:.2e}")
     # The matmuls round activations to int8 (one scale per four values), so a near-tie may
-    # flip: 3 of these 206 positions, at top-2 margins of 0.016 or less. A clear winner may not.
+    # flip: 3 of these 206 positions at the avx512bf16 level (top-2 margins of 0.016 or less),
+    # 5 at avx2 on an emulated Zen 3, where PyTorch's float32 GEMM adds up in another order
+    # too. A clear winner may not flip.
     assert agree[margin > 0.05].all(), margin[~agree]
-    assert agree.double().mean() >= 0.98 and delta < 0.1, (agree.double().mean(), delta)
+    assert agree.double().mean() >= 0.97 and delta < 0.1, (agree.double().mean(), delta)
     ppl = [perplexity(quantized.engine.model, ids, chunk=1), perplexity(plain.engine.model, ids)]
     assert abs(ppl[0] / ppl[1] - 1) < 0.01, ppl
     prefill = forward_logits(quantized.engine.model, ids).double()

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache in place, on CPUs (`paged_attention.c`).
+"""Attention over the paged KV cache in place, on CPUs (`paged_attention.c`), and the write of
+new tokens' K/V into it (`kv_write.c`).
 
 PyTorch has no CPU op that attends over blocks scattered through a paged cache, so the plain
 torch path copies each decode row's blocks into a contiguous tensor first: their K/V bytes are
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tutorserve.kernels import isa
-from tutorserve.kernels.build import DTYPES, traced
+from tutorserve.kernels.build import DTYPES, threads_for, traced
 
 MAX_HEAD_DIM = 256
 
@@ -70,3 +71,47 @@ def paged_attention(
     if status != 0:
         raise ValueError(f"paged_attention cannot run head size {dim}")
     return out, lse
+
+
+def supports_write(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether `write_kv` can take K and V like these into a cache like this."""
+    return (
+        k.device.type == "cpu"
+        and k.dtype in DTYPES
+        and v.dtype == k.dtype
+        and cache.dtype in DTYPES
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+        and k.stride(1) == v.stride(1)
+        and isa.active() is not None
+    )
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Writes k, v ([tokens, kv_heads, dim]) at `slots` ([tokens] int64, block * block_size +
+    offset) of one layer's caches ([kv_heads, blocks, block_size, dim], converting to their
+    dtype)."""
+    kernels = isa.active()
+    if kernels is None:
+        raise RuntimeError("the CPU KV write kernel is not available")
+    if slots.dtype != torch.int64 or k_cache.dtype != v_cache.dtype:
+        raise ValueError("write_kv needs int64 slots and K and V caches of one dtype")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("write_kv needs contiguous caches")
+    slots = slots.contiguous()
+    tokens, kvh, dim = k.shape
+    with traced("tutorserve::write_kv"):
+        status = kernels.lib.write_kv(
+            k.data_ptr(), v.data_ptr(), tokens, kvh, dim, k.stride(0), v.stride(0), k.stride(1),
+            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache.numel() // (kvh * dim), DTYPES[k.dtype], DTYPES[k_cache.dtype],
+            threads_for(2 * k.numel()),
+        )  # fmt: skip
+    if status != 0:
+        raise ValueError("write_kv: a slot is outside the cache")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tutorserve.kernels import rotary as kernel
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float) -> None:
@@ -21,7 +23,11 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. On CPUs the kernel rotates them
+        in place (each step's q and k are fresh outputs of the QKV projection) and returns them."""
+        if kernel.supports(q, k, self.cos):
+            kernel.rotary_embedding(positions, q, k, self.cos, self.sin)
+            return q, k
         if self._step is None or self._step[0] is not positions or self._step[1].dtype != q.dtype:
             cos = self.cos[positions].unsqueeze(1).to(q.dtype)
             sin = self.sin[positions].unsqueeze(1).to(q.dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tutorserve.kernels import paged_attention as kernel
 from tutorserve.layers.attention.context import get_context
 
 
@@ -31,7 +32,10 @@ class PagedAttention(nn.Module):
         ctx = get_context()
         kvh, dim, kv_dtype = self.num_kv_heads, self.head_dim, self.k_cache.dtype
         slots = ctx.slot_mapping
-        self.k_cache.view(kvh, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(kv_dtype))
-        self.v_cache.view(kvh, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(kv_dtype))
+        if kernel.supports_write(k, v, self.k_cache):
+            kernel.write_kv(k, v, slots, self.k_cache, self.v_cache)
+        else:
+            self.k_cache.view(kvh, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(kv_dtype))
+            self.v_cache.view(kvh, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(kv_dtype))
         out = ctx.backend.forward(self, q, k, v, ctx.attention, ctx.workspace)
         return out.view(q.shape[0], -1)
