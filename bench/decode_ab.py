@@ -8,6 +8,7 @@ segments on the same running batch, so the box's noise hits both sides alike.
     .venv/bin/python bench/decode_ab.py in-place --pairs 10
     .venv/bin/python bench/decode_ab.py fused-norm-act --pairs 10
     .venv/bin/python bench/decode_ab.py rope-kv-kernels --batch 1 --quantization auto
+    .venv/bin/python bench/decode_ab.py repack16 --batch 1 --quantization auto   # two engines
     .venv/bin/python bench/decode_ab.py kv-bf16 --dtype float32   # two engines, same requests
     TUTORSERVE_CPU_ISA=avx2 .venv/bin/python bench/decode_ab.py in-place --batch 16 \
         --dtype float32 --kv-cache-dtype bfloat16   # one ISA level of the kernels, forced
@@ -33,6 +34,7 @@ from tutorserve.kernels import isa, norm_act
 from tutorserve.kernels import paged_attention as attention_kernels
 from tutorserve.kernels import rotary as rotary_kernel
 from tutorserve.layers.attention.gather import GatherBackend
+from tutorserve.quant import QuantWeight
 
 
 def _rope_per_layer(self, positions, q, k):  # the method as it was
@@ -92,7 +94,7 @@ def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     changes = ["fused-norm-act", "in-place", "kv-bf16", "prefix-reuse", "rope-per-step"]
-    changes += ["rope-kv-kernels", "suffix-flash"]
+    changes += ["repack16", "rope-kv-kernels", "suffix-flash"]
     p.add_argument("change", choices=changes)
     p.add_argument("--pairs", type=int, default=10)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -111,6 +113,13 @@ def main() -> None:
         engines[False] = LLM(
             a.model, dtype=a.dtype, kv_cache_dtype="float32", quantization=a.quantization
         ).engine
+    elif a.change == "repack16":  # a weight layout is fixed at load: a second engine without
+        with_it, without, switch = "Q4 rows repacked by 16", "GGUF's row layout", lambda on: None
+        keep, QuantWeight.repacked = QuantWeight.repacked, lambda self: self
+        engines[False] = LLM(
+            a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization
+        ).engine
+        QuantWeight.repacked = keep
     else:
         with_it, without, switch = _toggles(llm)[a.change]
     kernels, levels = isa.active(), ", ".join(isa.cpu_levels())

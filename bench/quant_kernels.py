@@ -5,6 +5,7 @@
 
 `matmul`: one `kernels.quant.matmul` call per shape, format and batch against PyTorch's matmul
 on the same weight in float32 and bf16 (median of 200 calls; the thread count is PyTorch's).
+A format with a repacked layout (`quant.REPACKED`) is also timed repacked.
 `memory`: SmolLM2 loaded with each `--quantization`/dtype in a fresh process; weights counted
 once per storage, and the process's resident growth across the load.
 """
@@ -51,14 +52,18 @@ def matmul() -> None:
         wb = w.bfloat16()
         for fmt in formats:
             blocks = torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType[fmt]))
-            for batch in (1, 4, 8):
-                x = torch.randn(batch, k)
-                xb = x.bfloat16()
-                reps = 50 if n > 10_000 else 200
-                q = _median_us(lambda: quant.matmul(blocks, fmt, k, x), reps)  # noqa: B023
-                f = _median_us(lambda: x @ w.T, reps)  # noqa: B023
-                b = _median_us(lambda: xb @ wb.T, reps)  # noqa: B023
-                print(f"| {n}×{k} | {fmt} | {batch} | {q:.0f} | {f:.0f} | {b:.0f} |")
+            layouts = [(fmt, blocks)]
+            if fmt in quant.REPACKED:
+                layouts.append((quant.REPACKED[fmt], quant.repack16(blocks, fmt, k)))
+            for name, data in layouts:
+                for batch in (1, 4, 8, 16):
+                    x = torch.randn(batch, k)
+                    xb = x.bfloat16()
+                    reps = 50 if n > 10_000 else 200
+                    q = _median_us(lambda: quant.matmul(data, name, k, x), reps)  # noqa: B023
+                    f = _median_us(lambda: x @ w.T, reps)  # noqa: B023
+                    b = _median_us(lambda: xb @ wb.T, reps)  # noqa: B023
+                    print(f"| {n}×{k} | {name} | {batch} | {q:.0f} | {f:.0f} | {b:.0f} |")
 
 
 def _load(quantization: str, dtype: str) -> None:

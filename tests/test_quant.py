@@ -16,7 +16,8 @@ from tutorserve.kernels import quant
 from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch
 from tutorserve.quant.layers import GEMV_ROWS
 
-FORMATS = list(quant.FORMATS)
+REPACKED = list(quant.REPACKED.values())
+FORMATS = [fmt for fmt in quant.FORMATS if fmt not in REPACKED]  # GGUF's own
 WRITABLE = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]  # the formats gguf can quantize to
 
 
@@ -81,6 +82,35 @@ def test_kernels_match_gguf_dequantize_and_a_float64_matmul(cpu_isa, fmt):
             np.testing.assert_allclose(y.double().numpy(), want, atol=2e-6 * np.abs(want).max())
             out = quant.matmul(w, fmt, k, x, torch.empty(batch, 67, dtype=torch.bfloat16))
             assert torch.equal(out, y.bfloat16())  # one rounding, to nearest even, as PyTorch's
+
+
+@pytest.mark.parametrize("fmt", list(quant.REPACKED))
+def test_repacked_rows_dequantize_and_multiply_as_their_gguf_rows(cpu_isa, fmt):
+    blocks = random_blocks(fmt, 64, 96)
+    ref = reference(blocks, fmt)
+    weight = QuantWeight(torch.from_numpy(blocks), fmt, 96).repacked()
+    w, repacked = weight.blocks, weight.fmt
+    assert repacked == quant.REPACKED[fmt] and w.shape == blocks.shape
+    assert not np.array_equal(w.numpy(), blocks)  # moved, not copied
+    assert np.array_equal(quant.dequantize(w, repacked, 96).numpy(), ref.astype(np.float32))
+    rows = torch.tensor([63, 0, 17, 17])
+    assert torch.equal(
+        quant.dequantize(w, repacked, 96, rows=rows), torch.from_numpy(ref[rows]).float()
+    )
+    for batch in (1, 3, 4, 5, 13):  # below, at and above the tile of 4 rows
+        for x in (torch.randn(batch, 96), torch.randn(batch, 96).bfloat16()):
+            y = quant.matmul(w, repacked, 96, x)
+            want = as_kernel_reads(x, fmt) @ ref.T
+            np.testing.assert_allclose(y.double().numpy(), want, atol=2e-6 * np.abs(want).max())
+            out = quant.matmul(w, repacked, 96, x, torch.empty(batch, 64, dtype=torch.bfloat16))
+            assert torch.equal(out, y.bfloat16())
+    # Rows not in sixteens, and formats without a repacked layout, stay as they are.
+    odd = QuantWeight(torch.from_numpy(random_blocks(fmt, 40, 96)), fmt, 96)
+    assert odd.repacked() is odd
+    q8 = QuantWeight(torch.from_numpy(random_blocks("Q8_0", 64, 96)), "Q8_0", 96)
+    assert q8.repacked() is q8
+    with pytest.raises(ValueError, match="by sixteen"):
+        quant.repack16(odd.blocks, fmt, 96)
 
 
 def test_matmul_writes_a_column_slice_and_refuses_partial_blocks(cpu_isa):
@@ -151,7 +181,9 @@ def test_quantizing_a_checkpoint_at_load(synth_llama, at_load, bound):
     assert model.config.intermediate_size % 32
     for layer in model.layers:
         linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj]
-        assert all(isinstance(m, QuantLinear) and m.fmts == [fmt] * len(m.fmts) for m in linears)
+        # Q4_1 rows come repacked where they are in sixteens (the synthetic model's are)
+        want = quant.REPACKED.get(fmt, fmt)
+        assert all(isinstance(m, QuantLinear) and m.fmts == [want] * len(m.fmts) for m in linears)
         assert isinstance(layer.mlp.down_proj, nn.Linear)
     prompt = list(range(5, 25))
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -195,12 +227,13 @@ def test_the_default_model_on_its_q4_1_blocks_matches_itself_dequantized():
     margin = top2[:, 0] - top2[:, 1]
     delta = (la - lb).abs().mean().item()
     print(f"top-1 agreement {agree.double().mean():.4f} of {len(ids)}, mean |dlogit| {delta:.2e}")
-    # The matmuls round activations to int8 (one scale per four values), so a near-tie may
-    # flip: 3 of these 206 positions at the avx512bf16 level (top-2 margins of 0.016 or less),
-    # 5 at avx2 on an emulated Zen 3, where PyTorch's float32 GEMM adds up in another order
-    # too. A clear winner may not flip.
-    assert agree[margin > 0.05].all(), margin[~agree]
-    assert agree.double().mean() >= 0.97 and delta < 0.1, (agree.double().mean(), delta)
+    # The matmuls round activations to int8 (one scale per four values): logits move by ~0.06
+    # on average, so a near-tie may flip, and which ones do changes with any change in the
+    # order of a sum (a value at a rounding boundary of the next layer's int8 codes goes one
+    # way or the other): 3 to 6 of these 206 positions, each at a top-2 margin of 0.052 or
+    # less, across the levels and layouts. A clear winner may not flip.
+    assert agree[margin > 0.1].all(), margin[~agree]
+    assert agree.double().mean() >= 0.96 and delta < 0.1, (agree.double().mean(), delta)
     ppl = [perplexity(quantized.engine.model, ids, chunk=1), perplexity(plain.engine.model, ids)]
     assert abs(ppl[0] / ppl[1] - 1) < 0.01, ppl
     prefill = forward_logits(quantized.engine.model, ids).double()
@@ -218,7 +251,8 @@ def test_the_default_model_on_its_q4_1_blocks_matches_itself_dequantized():
         # where they part (one may end first: then the other's next token parts them)
         pairs = enumerate(zip(a.token_ids, b.token_ids, strict=False))
         common = next((i for i, (x, y) in pairs if x != y), min(len(a.token_ids), len(b.token_ids)))
-        # The replies part at a near-tie of the dequantized model, not at a clear choice.
+        # The replies part at a near-tie of the dequantized model (as above), not at a clear
+        # choice.
         context = quantized.tokenizer.encode(prompt) + b.token_ids[:common]
         top2 = forward_logits(plain.engine.model, context)[-1].topk(2).values
-        assert top2[0] - top2[1] < 0.05, (prompt, common, top2)
+        assert top2[0] - top2[1] < 0.1, (prompt, common, top2)

@@ -54,6 +54,7 @@ _SIGNATURES = {
     "silu_mul": [_ptr, _ptr, _i64, _i64, _i32, _i32],
     "quant_matmul": [_ptr, _i32, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i32, _i64, _i32],
     "quant_dequantize": [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i32],
+    "quant_repack16": [_ptr, _i32, _i64, _i64, _ptr],
     "apply_token_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "rotary_embedding": [_ptr] * 3 + [_i64] * 8 + [_ptr, _ptr, _i64, _i32, _i32, _i32],
     "write_kv": [_ptr, _ptr] + [_i64] * 6 + [_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32],

@@ -29,10 +29,17 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
  * accumulators (AVX-512), else 4. */
 enum { CHUNK = 16, BATCH_TILE = VL == 16 ? 8 : 4 };
 
-/* Q4_0, Q4_1 and Q8_0 rows multiply on int8 activations instead (quant_x8.c). */
+/* Q4_0, Q4_1 and Q8_0 rows multiply on int8 activations instead (quant_x8.c), as do Q4_0 and
+ * Q4_1 weights repacked sixteen rows at a time (quant_rows16.c), whose format ids are
+ * ROWS16 | the ggml id. */
+enum { ROWS16 = 256 };
 int quant_matmul_x8(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
                     int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy,
                     int num_threads);
+int quant_matmul_rows16(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
+                        int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy,
+                        int num_threads);
+void tutorserve_unpack16_row(const void *w, int fmt, int64_t r, int64_t blocks, uint8_t *out);
 
 /* Weights per block and bytes per block, or 0 for a format this file does not know. */
 static int group_of(int fmt) {
@@ -231,27 +238,32 @@ static void dot_tile(const int8_t *q, const float *scale, const float *offset, i
 }
 
 static int shape_ok(int fmt, int64_t k) {
-    const int g = group_of(fmt);
+    if (fmt & ROWS16 && (fmt & ~ROWS16) != Q4_0 && (fmt & ~ROWS16) != Q4_1) return 0;
+    const int g = group_of(fmt & ~ROWS16);
     return g != 0 && k % g == 0;
 }
 
-/* One thread's decoded row: codes (padded: NEON's vload_i8 reads 8 bytes), scales, offsets. */
+/* One thread's decoded row: codes (padded: NEON's vload_i8 reads 8 bytes), scales, offsets;
+ * and a repacked row's blocks back in GGUF's layout (at most 34 bytes per 32 weights). */
 typedef struct {
     int8_t *q;
     float *scale, *offset;
+    uint8_t *blocks;
 } RowBuf;
 
 static int row_buf_alloc(RowBuf *b, int64_t k) {
     b->q = malloc((size_t)k + 64);
     b->scale = malloc(sizeof(float) * (size_t)(k / CHUNK));
     b->offset = malloc(sizeof(float) * (size_t)(k / CHUNK));
-    return b->q && b->scale && b->offset;
+    b->blocks = malloc((size_t)(k / 32 * 34));
+    return b->q && b->scale && b->offset && b->blocks;
 }
 
 static void row_buf_free(RowBuf *b) {
     free(b->q);
     free(b->scale);
     free(b->offset);
+    free(b->blocks);
 }
 
 /* Runs fn(buf, i, ctx) for rows i < n over the OpenMP team, each thread with its own row
@@ -303,6 +315,9 @@ static void matmul_row(const RowBuf *buf, int64_t r, const void *ctx) {
 int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
                  int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy, int num_threads) {
     if (!shape_ok(fmt, k)) return -1;
+    if (fmt & ROWS16)
+        return quant_matmul_rows16(w, fmt & ~ROWS16, n, k, x, x_bf16, batch, ldx, y, y_bf16, ldy,
+                                   num_threads);
     if (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0)
         return quant_matmul_x8(w, fmt, n, k, x, x_bf16, batch, ldx, y, y_bf16, ldy, num_threads);
     MatmulArgs a = {w, fmt, y_bf16, k, batch, ldx, ldy, x, y};
@@ -332,8 +347,13 @@ typedef struct {
 
 static void dequantize_row(const RowBuf *buf, int64_t i, const void *ctx) {
     const DequantArgs *a = ctx;
-    const int64_t k = a->k;
-    decode_row(a->fmt, a->w, a->rows ? a->rows[i] : i, k, buf->q, buf->scale, buf->offset);
+    const int64_t k = a->k, r = a->rows ? a->rows[i] : i;
+    if (a->fmt & ROWS16) {
+        tutorserve_unpack16_row(a->w, a->fmt & ~ROWS16, r, k / 32, buf->blocks);
+        decode_row(a->fmt & ~ROWS16, buf->blocks, 0, k, buf->q, buf->scale, buf->offset);
+    } else {
+        decode_row(a->fmt, a->w, r, k, buf->q, buf->scale, buf->offset);
+    }
     for (int64_t c = 0; c < k / CHUNK; c++) {
         const vf s = vset1(buf->scale[c]), o = vset1(buf->offset[c]);
         for (int v = 0; v < CHUNK; v += VL) {

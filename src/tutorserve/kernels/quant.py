@@ -1,5 +1,7 @@
 """Matmul and dequantization on GGUF-quantized weight rows (`quant.c`), for the formats in
-`FORMATS` (ggml type id → weights per block, bytes per block)."""
+`FORMATS` (ggml type id → weights per block, bytes per block). A `_R16` format is its GGUF
+format's blocks repacked sixteen rows at a time (`repack16`, `quant_rows16.c`): the same bytes,
+laid out so that a vector lane computes one output row."""
 
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ FORMATS = {
     "Q4_K": (12, 256, 144),
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),
+    "Q4_0_R16": (256 | 2, 32, 18),
+    "Q4_1_R16": (256 | 3, 32, 20),
 }
+REPACKED = {"Q4_0": "Q4_0_R16", "Q4_1": "Q4_1_R16"}  # GGUF format → its repacked one
 
 
 def available() -> bool:
@@ -66,6 +71,18 @@ def dequantize(
         out.data_ptr(), DTYPES[out.dtype], torch.get_num_threads(),
     )  # fmt: skip
     _check(status, fmt, k)
+    return out
+
+
+def repack16(blocks: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
+    """Rows of `fmt` blocks (a key of REPACKED; a multiple of 16 rows) in the repacked layout,
+    as a tensor of the same shape."""
+    out = torch.empty_like(blocks)
+    status = _kernels().lib.quant_repack16(
+        blocks.contiguous().data_ptr(), FORMATS[fmt][0], blocks.shape[0], k, out.data_ptr()
+    )
+    if status != 0:
+        raise ValueError(f"cannot repack {blocks.shape[0]} {fmt} rows of {k} by sixteen")
     return out
 
 

@@ -257,8 +257,8 @@ __attribute__((always_inline)) static inline void weight_row(const Args *a, int6
 
 /* A row of x (k values, float32 or bf16) → int8 codes, and per four of them their scale and
  * the scale times their sum. */
-static void quantize_row(const void *x, int x_bf16, int64_t k, int8_t *qx, float *dx,
-                         float *sx) {
+void tutorserve_quantize_row(const void *x, int x_bf16, int64_t k, int8_t *qx, float *dx,
+                             float *sx) {
     for (int64_t g = 0; g < k / 4; g++) {
         float v[4], amax = 0.f;
         for (int j = 0; j < 4; j++) {
@@ -293,8 +293,8 @@ int quant_matmul_x8(const void *w, int fmt, int64_t n, int64_t k, const void *x,
     float *dx = scales, *sx = scales + batch * k / 4;
     const int elem = x_bf16 ? 2 : 4;
     for (int64_t b = 0; b < batch; b++)
-        quantize_row((const uint8_t *)x + b * ldx * elem, x_bf16, k, qx + b * k,
-                     dx + b * k / 4, sx + b * k / 4);
+        tutorserve_quantize_row((const uint8_t *)x + b * ldx * elem, x_bf16, k, qx + b * k,
+                                dx + b * k / 4, sx + b * k / 4);
     const Args a = {w, y_bf16, blocks, ldy, qx, dx, sx, y};
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = 0; r < n; r++) {

@@ -1,7 +1,8 @@
 """Linear and embedding layers over quantized weights, for CPUs with our kernels.
 
 Up to `GEMV_ROWS` rows multiply on the blocks directly (`kernels/quant.c`: each row decoded
-once, then dotted with every activation row; Q4_0, Q4_1 and Q8_0 rows on int8 activations),
+once, then dotted with every activation row; Q4_0, Q4_1 and Q8_0 rows on int8 activations, Q4_0
+and Q4_1 repacked sixteen rows at a time so that a vector lane computes one output row),
 reading 4.5-8.5 bits per weight instead of 16-32.
 More rows (prefill chunks, large decode batches) are compute-bound instead: the weight is
 dequantized into a scratch buffer the model's layers share, and PyTorch's GEMM runs on that.
@@ -61,6 +62,9 @@ class QuantLinear(nn.Module):
                 merged[-1] = QuantWeight(rows, p.fmt, self.in_features)
             else:
                 merged.append(p)
+        # Q4_0/Q4_1 rows multiply about twice as fast at batch 1-12 repacked by sixteen
+        # (kernels/quant_rows16.c; docs/benchmarks/quantization.md).
+        merged = [p.repacked() for p in merged]
         self.fmts = [p.fmt for p in merged]
         self.out_features = sum(p.out_features for p in merged)
         self.blocks = nn.ParameterList(_blocks(p) for p in merged)

@@ -43,5 +43,14 @@ class QuantWeight:
         blocks = quants.quantize(np.ascontiguousarray(arr), GGMLQuantizationType[fmt])
         return cls(torch.from_numpy(blocks), fmt, w.shape[1])
 
+    def repacked(self) -> QuantWeight:
+        """This weight in its format's repacked layout (`kernels.quant.repack16`) where it has
+        one and the rows come in sixteens, else itself."""
+        fmt = quant.REPACKED.get(self.fmt)
+        if fmt is None or self.out_features % 16:
+            return self
+        blocks = quant.repack16(self.blocks, self.fmt, self.in_features)
+        return QuantWeight(blocks, fmt, self.in_features)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return quant.dequantize(self.blocks, self.fmt, self.in_features, dtype)
