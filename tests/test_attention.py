@@ -338,6 +338,35 @@ def test_the_cpu_kernel_matches_dense_attention_and_its_log_sum_exp(
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS.values(), ids=DTYPE_PAIRS.keys())
+@pytest.mark.parametrize(("kvh", "threads", "n"), [(3, 2, 1000), (1, 4, 1000), (1, 4, 300)])
+def test_a_decode_with_few_kv_heads_splits_its_keys_over_the_threads(
+    cpu_isa, dtypes, kvh, threads, n
+):
+    """Batch 1 has fewer (KV head) items than the threads have work for, so the kernel splits
+    each item's keys into parts and merges them by their log-sum-exps: 2 or 8 parts of whole
+    tiles, some past the keys (empty) with 300 keys, on a shuffled cache; against float64."""
+    qdt, kvdt = dtypes
+    g = torch.Generator().manual_seed(n + kvh)
+    blocks, block_size, dim, scale = 80, 16, 64, 0.125
+    k_cache = torch.randn(kvh, blocks, block_size, dim, generator=g).to(kvdt)
+    v_cache = torch.randn(kvh, blocks, block_size, dim, generator=g).to(kvdt)
+    table = torch.randperm(blocks, generator=g)[: -(-n // block_size)]
+    q = torch.randn(1, kvh, 3, dim, generator=g).to(qdt)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = paged_attention(q, k_cache, v_cache, table[None], torch.tensor([n]), scale)
+    finally:
+        torch.set_num_threads(before)
+    k = k_cache[:, table].reshape(kvh, -1, dim)[:, :n].double()
+    v = v_cache[:, table].reshape(kvh, -1, dim)[:, :n].double()
+    scores = q[0].double() @ k.transpose(-1, -2) * scale
+    tol = _tolerance(dtypes)
+    torch.testing.assert_close(out[0].double(), torch.softmax(scores, -1) @ v, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse[0].double(), torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS.values(), ids=DTYPE_PAIRS.keys())
 def test_every_level_matches_the_scalar_kernel(cpu_isa, dtypes):
     """The SIMD levels against the plain-C reference on the same inputs, at the head sizes the
     kernels specialise (64, 128) and one they do not (48)."""

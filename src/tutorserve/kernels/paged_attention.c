@@ -6,6 +6,8 @@
  * online softmax (running max and sum; the accumulator is rescaled when the max grows), so
  * nothing is gathered and each K/V byte is read once per set. Outputs are float32 together with
  * the log-sum-exp of the scores, so that a caller can merge partial results (cascade attention).
+ * A decode too small to give every thread work (batch 1: a few KV heads) splits each head's keys
+ * into parts, merged here the same way.
  *
  * Layouts (all contiguous):
  *   q       [sets, kv_heads, nq, dim] float32 or bfloat16 (`q_bf16`)
@@ -20,9 +22,11 @@
  * Every level (simd.h) runs the float32 path, which widens K/V on load. The AVX512-BF16 build
  * takes q and K/V both in bf16 at head sizes 64 and 128 through the bf16 dot-product path.
  */
+#include <stdlib.h>
+
 #include "simd.h"
 
-enum { TILE = 16, QCHUNK = 32, MAX_DIM = 256 };
+enum { TILE = 16, QCHUNK = 32, MAX_DIM = 256, PREFETCH = 32, MIN_SPLIT = 128 };
 
 typedef struct {
     const void *q, *k, *v;
@@ -30,7 +34,6 @@ typedef struct {
     int64_t kv_heads, nq, group, dim, num_blocks, block_size, width;
     float scale;
     int q_bf16, kv_bf16;
-    float *out, *lse;
 } Args;
 
 /* Keys query i of a set may see: all of them, or with `causal`, those up to its own position
@@ -42,17 +45,53 @@ static inline int64_t visible(const Args *a, int64_t set, int64_t i) {
     return limit < len ? limit : len;
 }
 
-/* Where key t of a set starts in a cache, counted in elements. */
-static inline int64_t key_offset(const Args *a, int64_t set, int64_t head, int64_t t) {
-    const int64_t BS = a->block_size;
-    return ((head * a->num_blocks + a->tables[set * a->width + t / BS]) * BS + t % BS) * a->dim;
+/* One work item: queries q0 .. q0 + nq - 1 of a set's KV head against its keys from `begin`
+ * up to `end` (or as many as it has), written to out [nq, dim] and lse [nq]. */
+typedef struct {
+    int64_t set, head, q0, nq, begin, end;
+    float *out, *lse;
+} Part;
+
+/* Where keys t0 .. t0 + TILE - 1 of a set start in a cache (elements), with one division per
+ * tile. Keys from n on (past the set's end) repeat key t0: the caller gives them no weight. */
+static inline void tile_offsets(const Args *a, const Part *w, int64_t t0, int64_t n,
+                                int64_t at[TILE]) {
+    const int64_t BS = a->block_size, *table = a->tables + w->set * a->width;
+    int64_t b = t0 / BS, o = t0 % BS;
+    for (int64_t j = 0; j < n; j++) {
+        at[j] = ((w->head * a->num_blocks + table[b]) * BS + o) * a->dim;
+        if (++o == BS) o = 0, b++;
+    }
+    for (int64_t j = n; j < TILE; j++) at[j] = at[0];
+}
+
+/* Keys a part reads: those its last query sees, within its range. */
+static inline int64_t part_end(const Args *a, const Part *w) {
+    const int64_t len = visible(a, w->set, w->q0 + w->nq - 1);
+    return len < w->end ? len : w->end;
+}
+
+/* Asks for the rows of the tile `PREFETCH` keys ahead, so that the next blocks, wherever the
+ * table put them, are in cache when their turn comes (the hardware prefetcher cannot follow a
+ * jump from one block to another). */
+static inline void prefetch_tile(const Args *a, const Part *w, int64_t t0, int64_t len,
+                                 const void *k, const void *v, int64_t elem) {
+    if (t0 + PREFETCH >= len) return;
+    int64_t at[TILE];
+    const int64_t n = len - t0 - PREFETCH < TILE ? len - t0 - PREFETCH : TILE;
+    tile_offsets(a, w, t0 + PREFETCH, n, at);
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < a->dim * elem; c += 64) {
+            __builtin_prefetch((const char *)k + at[j] * elem + c);
+            __builtin_prefetch((const char *)v + at[j] * elem + c);
+        }
 }
 
 /* The float32 path, written over the level's vectors. Inlined into one copy per common head
  * size, so that the dim loops unroll and a query's accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend_f32_dim(
-    const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq, const int64_t D) {
-    const int64_t len = visible(a, set, q0 + nq - 1);
+static inline __attribute__((always_inline)) void attend_f32_dim(const Args *a, const Part *w,
+                                                                  const int64_t D) {
+    const int64_t set = w->set, head = w->head, q0 = w->q0, nq = w->nq, len = part_end(a, w);
     float q[QCHUNK * MAX_DIM], acc[QCHUNK * MAX_DIM];
     float kt[TILE * MAX_DIM], vt[TILE * MAX_DIM];
     float peak[QCHUNK], total[QCHUNK], p[TILE];
@@ -64,15 +103,17 @@ static inline __attribute__((always_inline)) void attend_f32_dim(
     }
     memset(acc, 0, sizeof(float) * nq * D);
     const vf scale = vset1(a->scale);
-    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+    const int64_t elem = a->kv_bf16 ? 2 : 4;
+    for (int64_t t0 = w->begin; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t at = key_offset(a, set, head, t0 + j);
+        int64_t at[TILE];
+        tile_offsets(a, w, t0, n, at);
+        prefetch_tile(a, w, t0, len, a->k, a->v, elem);
+        for (int64_t j = 0; j < n; j++)
             for (int64_t c = 0; c < D; c += VL) {
-                vstore(kt + j * D + c, vload_as(a->k, at + c, a->kv_bf16));
-                vstore(vt + j * D + c, vload_as(a->v, at + c, a->kv_bf16));
+                vstore(kt + j * D + c, vload_as(a->k, at[j] + c, a->kv_bf16));
+                vstore(vt + j * D + c, vload_as(a->v, at[j] + c, a->kv_bf16));
             }
-        }
         for (int64_t i = 0; i < nq; i++) {
             const int64_t nv = visible(a, set, q0 + i) - t0; /* keys of this tile it sees */
             if (nv <= 0) continue;
@@ -110,24 +151,16 @@ static inline __attribute__((always_inline)) void attend_f32_dim(
             for (int64_t c = 0; c < D / VL; c++) vstore(o + c * VL, r[c]);
         }
     }
-    float *out = a->out + qbase;
-    float *lse = a->lse + (set * a->kv_heads + head) * a->nq + q0;
     for (int64_t i = 0; i < nq; i++) {
         const float inv = total[i] > 0.f ? 1.f / total[i] : 0.f;
-        for (int64_t d = 0; d < D; d++) out[i * D + d] = acc[i * D + d] * inv;
-        lse[i] = peak[i] + logf(total[i]);
+        for (int64_t d = 0; d < D; d++) w->out[i * D + d] = acc[i * D + d] * inv;
+        w->lse[i] = peak[i] + logf(total[i]);
     }
 }
 
-static void attend_f32_64(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {
-    attend_f32_dim(a, set, head, q0, nq, 64);
-}
-static void attend_f32_128(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {
-    attend_f32_dim(a, set, head, q0, nq, 128);
-}
-static void attend_f32_any(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {
-    attend_f32_dim(a, set, head, q0, nq, a->dim);
-}
+static void attend_f32_64(const Args *a, const Part *w) { attend_f32_dim(a, w, 64); }
+static void attend_f32_128(const Args *a, const Part *w) { attend_f32_dim(a, w, 128); }
+static void attend_f32_any(const Args *a, const Part *w) { attend_f32_dim(a, w, a->dim); }
 
 #if defined(TS_BF16DOT)
 /* The bfloat16 path: both products on the CPU's bf16 dot-product unit (two bf16 products
@@ -146,10 +179,42 @@ static inline __mmask16 lanes(int64_t vis, int64_t t0) {
 
 static inline __m512bh bcast(uint32_t w) { return (__m512bh)_mm512_set1_epi32((int)w); }
 
+/* kp[c][j] = dim pair c of the tile's key j (32-bit words), transposed sixteen by sixteen words
+ * in registers: unpacks pair words, then 64-bit halves, then 128-bit lanes. */
+static inline void transpose_keys(const uint16_t *k, const int64_t at[TILE], int64_t D,
+                                  uint32_t *kp) {
+    for (int64_t h = 0; h < D / 32; h++) {
+        __m512i r[16], t[16];
+        for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(k + at[j] + 32 * h);
+        for (int j = 0; j < 16; j += 2) {
+            t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+            t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+        }
+        for (int i = 0; i < 16; i += 4) {
+            r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+            r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+            r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+            r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+        }
+        /* Now 128-bit lane L of r[4i + m] holds word 4L + m of keys 4i .. 4i + 3. */
+        for (int m = 0; m < 4; m++) {
+            const __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44);
+            const __m512i v1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xEE);
+            const __m512i v2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44);
+            const __m512i v3 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xEE);
+            uint32_t *o = kp + (16 * h + m) * TILE; /* word 4L + m is at o + 4L TILE */
+            _mm512_store_si512(o, _mm512_shuffle_i32x4(v0, v2, 0x88));
+            _mm512_store_si512(o + 4 * TILE, _mm512_shuffle_i32x4(v0, v2, 0xDD));
+            _mm512_store_si512(o + 8 * TILE, _mm512_shuffle_i32x4(v1, v3, 0x88));
+            _mm512_store_si512(o + 12 * TILE, _mm512_shuffle_i32x4(v1, v3, 0xDD));
+        }
+    }
+}
+
 #define ATTEND_BF16(D)                                                                        \
-static void attend_bf16_##D(const Args *a, int64_t set, int64_t head, int64_t q0, int64_t nq) {\
+static void attend_bf16_##D(const Args *a, const Part *w) {                                   \
     enum { W = D / 2, Z = D / 16 };                                                            \
-    const int64_t len = visible(a, set, q0 + nq - 1);                                          \
+    const int64_t set = w->set, head = w->head, q0 = w->q0, nq = w->nq, len = part_end(a, w);  \
     const uint16_t *q = (const uint16_t *)a->q + ((set * a->kv_heads + head) * a->nq + q0) * D;\
     const uint16_t *kc = (const uint16_t *)a->k, *vc = (const uint16_t *)a->v;                  \
     uint32_t kp[W * TILE] __attribute__((aligned(64)));                                        \
@@ -163,16 +228,14 @@ static void attend_bf16_##D(const Args *a, int64_t set, int64_t head, int64_t q0
     }                                                                                          \
     memset(acc, 0, sizeof(float) * nq * D);                                                    \
     const __m512 scale = _mm512_set1_ps(a->scale), minus_inf = _mm512_set1_ps(-INFINITY);     \
-    for (int64_t t0 = 0; t0 < len; t0 += TILE) {                                               \
+    for (int64_t t0 = w->begin; t0 < len; t0 += TILE) {                                        \
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;                                   \
+        int64_t at[TILE];                                                                      \
+        tile_offsets(a, w, t0, n, at);                                                         \
+        prefetch_tile(a, w, t0, len, kc, vc, 2);                                               \
+        transpose_keys(kc, at, D, kp);                                                         \
         const uint16_t *vrow[TILE];                                                            \
-        for (int64_t j = 0; j < TILE; j++) {                                                   \
-            /* padding repeats a real key (its probability is zero) */                         \
-            const int64_t at = key_offset(a, set, head, t0 + (j < n ? j : 0));                 \
-            const uint32_t *w = (const uint32_t *)(kc + at);                                   \
-            for (int64_t c = 0; c < W; c++) kp[c * TILE + j] = w[c];                           \
-            vrow[j] = vc + at;                                                                 \
-        }                                                                                      \
+        for (int64_t j = 0; j < TILE; j++) vrow[j] = vc + at[j];                               \
         for (int64_t m = 0; m < TILE / 2; m++)                                                 \
             for (int64_t h = 0; h < D / 32; h++) {                                             \
                 const __m512i x = _mm512_loadu_si512(vrow[2 * m] + 32 * h);                    \
@@ -227,20 +290,44 @@ static void attend_bf16_##D(const Args *a, int64_t set, int64_t head, int64_t q0
         }                                                                                      \
     }                                                                                          \
     /* Lane 4L + j of accumulator z holds dim 32 (z / 2) + 8 L + 4 (z % 2) + j. */            \
-    float *out = a->out + ((set * a->kv_heads + head) * a->nq + q0) * D;                       \
-    float *lse = a->lse + (set * a->kv_heads + head) * a->nq + q0;                             \
     for (int64_t i = 0; i < nq; i++) {                                                         \
         const float inv = total[i] > 0.f ? 1.f / total[i] : 0.f;                               \
         for (int z = 0; z < Z; z++)                                                            \
             for (int l = 0; l < 16; l++)                                                       \
-                out[i * D + 32 * (z / 2) + 8 * (l / 4) + 4 * (z % 2) + l % 4] =                \
+                w->out[i * D + 32 * (z / 2) + 8 * (l / 4) + 4 * (z % 2) + l % 4] =             \
                     acc[i * D + 16 * z + l] * inv;                                             \
-        lse[i] = peak[i] + logf(total[i]);                                                     \
+        w->lse[i] = peak[i] + logf(total[i]);                                                  \
     }                                                                                          \
 }
 ATTEND_BF16(64)
 ATTEND_BF16(128)
 #endif
+
+/* Keys of each part when a set of `len` keys is split in `splits`: whole tiles, at least
+ * MIN_SPLIT keys (a shorter part costs more to merge than it saves). */
+static int64_t split_step(int64_t len, int64_t splits) {
+    if (splits == 1) return len;
+    const int64_t step = ((len + splits - 1) / splits + TILE - 1) / TILE * TILE;
+    return step < MIN_SPLIT ? MIN_SPLIT : step;
+}
+
+/* out, lse of each row from its parts' (each part's output already normalized by its own sum). */
+static void merge_parts(const float *part_out, const float *part_lse, int64_t splits,
+                        int64_t rows, int64_t dim, float *out, float *lse) {
+    for (int64_t r = 0; r < rows; r++) {
+        float m = -INFINITY, sum = 0.f;
+        for (int64_t p = 0; p < splits; p++) m = fmaxf(m, part_lse[p * rows + r]);
+        for (int64_t d = 0; d < dim; d++) out[r * dim + d] = 0.f;
+        for (int64_t p = 0; p < splits && m > -INFINITY; p++) {
+            const float e = expf(part_lse[p * rows + r] - m);
+            const float *o = part_out + (p * rows + r) * dim;
+            for (int64_t d = 0; d < dim; d++) out[r * dim + d] += e * o[d];
+            sum += e;
+        }
+        for (int64_t d = 0; d < dim && sum > 0.f; d++) out[r * dim + d] /= sum;
+        lse[r] = m + logf(sum);
+    }
+}
 
 int paged_attention(const void *q, const void *k, const void *v, const int64_t *tables,
                     const int64_t *lens, const int64_t *causal, int64_t sets, int64_t kv_heads,
@@ -248,20 +335,36 @@ int paged_attention(const void *q, const void *k, const void *v, const int64_t *
                     int64_t block_size, int64_t width, float scale, int q_bf16, int kv_bf16,
                     float *out, float *lse, int num_threads) {
     if (dim % 16 || dim > MAX_DIM) return -1;
-    const Args a = {q,     k,         v,        tables, lens,   causal,  kv_heads,
-                    nq,    group,     dim,      num_blocks, block_size, width, scale,
-                    q_bf16, kv_bf16,  out,      lse};
-    void (*attend)(const Args *, int64_t, int64_t, int64_t, int64_t) =
+    const Args a = {q,  k,   v,          tables,     lens,  causal, kv_heads, nq,
+                    group, dim, num_blocks, block_size, width, scale,  q_bf16,   kv_bf16};
+    void (*attend)(const Args *, const Part *) =
         dim == 64 ? attend_f32_64 : dim == 128 ? attend_f32_128 : attend_f32_any;
 #if defined(TS_BF16DOT)
     if (q_bf16 && kv_bf16 && dim == 64) attend = attend_bf16_64;
     if (q_bf16 && kv_bf16 && dim == 128) attend = attend_bf16_128;
 #endif
     const int64_t chunks = (nq + QCHUNK - 1) / QCHUNK, items = sets * kv_heads * chunks;
+    /* With fewer items than threads have work for (a decode batch of one or two: a few KV
+     * heads), each item's keys are split, so that every thread reads a share of the cache; the
+     * parts are merged by their log-sum-exps. Prefill chunks have items enough. */
+    int64_t splits = 1;
+    if (causal == NULL && items < 2 * num_threads) splits = (2 * num_threads - 1) / items + 1;
+    const int64_t rows = sets * kv_heads * nq;
+    float *part_out = NULL;
+    if (splits > 1 && !(part_out = malloc(sizeof(float) * (size_t)(splits * rows * (dim + 1)))))
+        splits = 1;
+    float *part_lse = part_out + splits * rows * dim;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; i++) {
-        const int64_t sh = i / chunks, q0 = (i % chunks) * QCHUNK;
-        attend(&a, sh / kv_heads, sh % kv_heads, q0, nq - q0 < QCHUNK ? nq - q0 : QCHUNK);
+    for (int64_t i = 0; i < items * splits; i++) {
+        const int64_t p = i % splits, sh = i / splits / chunks, q0 = i / splits % chunks * QCHUNK;
+        const int64_t row = sh * nq + q0, step = split_step(lens[sh / kv_heads], splits);
+        const Part w = {sh / kv_heads, sh % kv_heads, q0, nq - q0 < QCHUNK ? nq - q0 : QCHUNK,
+                        p * step, (p + 1) * step,
+                        splits > 1 ? part_out + (p * rows + row) * dim : out + row * dim,
+                        splits > 1 ? part_lse + p * rows + row : lse + row};
+        attend(&a, &w);
     }
+    if (splits > 1) merge_parts(part_out, part_lse, splits, rows, dim, out, lse);
+    free(part_out);
     return 0;
 }

@@ -57,7 +57,8 @@ void tutorserve_unpack16_row(const void *w, int fmt, int64_t r, int64_t blocks, 
         const uint8_t *o = (const uint8_t *)w + (g * blocks + i) * LANES * nb;
         uint8_t *b = out + i * nb;
         for (int h = 0; h < head; h += 2) memcpy(b + h, o + h * LANES + 2 * l, 2);
-        for (int j = 0; j < 4; j++) memcpy(b + head + 4 * j, o + head * LANES + (j * LANES + l) * 4, 4);
+        for (int j = 0; j < 4; j++)
+            memcpy(b + head + 4 * j, o + head * LANES + (j * LANES + l) * 4, 4);
     }
 }
 
@@ -129,7 +130,8 @@ __attribute__((always_inline)) static inline void group_tile(const Args *a, cons
                 const int8_t *q = a->qx + (b0 + b) * a->k + i * 32;
                 const float *dx = a->dx + (b0 + b) * a->k / 4 + i * 8;
                 part_sum[b] = vfma(dot4(lo, word_at(q + 4 * j)), vset1(dx[j]), part_sum[b]);
-                part_sum[b] = vfma(dot4(hi, word_at(q + 16 + 4 * j)), vset1(dx[4 + j]), part_sum[b]);
+                part_sum[b] =
+                    vfma(dot4(hi, word_at(q + 16 + 4 * j)), vset1(dx[4 + j]), part_sum[b]);
             }
         }
         const vf d = halves(blk + 2 * part * W);
