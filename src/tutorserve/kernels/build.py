@@ -61,12 +61,15 @@ _SIGNATURES = {
 }
 
 
+_UNTRACED = contextlib.nullcontext()  # reusable: one object, not one per kernel call
+
+
 def traced(name: str) -> contextlib.AbstractContextManager:
     """A profiler scope named `name` while torch.profiler records, else nothing: entering a
     `record_function` costs ~10 µs, which hundreds of kernel calls a decode step cannot pay."""
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
+    return _UNTRACED
 
 
 # Below this many elements a kernel runs on the calling thread: a parallel region costs a

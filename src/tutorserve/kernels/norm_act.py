@@ -14,7 +14,7 @@ def supports(x: torch.Tensor, width: int) -> bool:
     """Whether `x` can go through these kernels as rows of `width` elements each (the kernels
     take widths in multiples of 16, every level's vector width)."""
     return (
-        x.device.type == "cpu"
+        x.is_cpu
         and x.dtype in DTYPES
         and width % 16 == 0
         and x.is_contiguous()

@@ -76,7 +76,7 @@ def paged_attention(
 def supports_write(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether `write_kv` can take K and V like these into a cache like this."""
     return (
-        k.device.type == "cpu"
+        k.is_cpu
         and k.dtype in DTYPES
         and v.dtype == k.dtype
         and cache.dtype in DTYPES

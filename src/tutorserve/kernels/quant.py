@@ -5,6 +5,8 @@ laid out so that a vector lane computes one output row."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tutorserve.kernels import isa
@@ -42,13 +44,29 @@ def matmul(
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
     if out.dtype not in DTYPES or out.stride(-1) != 1:
         raise ValueError("quant matmul writes float32 or bfloat16 rows")
-    with traced(f"tutorserve::quant_matmul_{fmt}"):
-        status = _kernels().lib.quant_matmul(
-            blocks.data_ptr(), FORMATS[fmt][0], n, k, x.data_ptr(), DTYPES[x.dtype], x.shape[0],
-            x.stride(0), out.data_ptr(), DTYPES[out.dtype], out.stride(0), torch.get_num_threads(),
-        )  # fmt: skip
-    _check(status, fmt, k)
+    bind_matmul(blocks, fmt, k)(x, out)
     return out
+
+
+def bind_matmul(
+    blocks: torch.Tensor, fmt: str, k: int
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """`matmul` on these rows as a call (x, out) → None with the format looked up once, for a
+    layer that calls it every step; x and out as `matmul` takes them, not checked again. The
+    rows' address is read at each call, so `blocks` may be a parameter whose data moves."""
+    fid, n, name = FORMATS[fmt][0], blocks.shape[0], f"tutorserve::quant_matmul_{fmt}"
+
+    def call(x: torch.Tensor, out: torch.Tensor) -> None:
+        with traced(name):
+            status = _kernels().lib.quant_matmul(
+                blocks.data_ptr(), fid, n, k, x.data_ptr(), DTYPES[x.dtype], x.shape[0],
+                x.stride(0), out.data_ptr(), DTYPES[out.dtype], out.stride(0),
+                torch.get_num_threads(),
+            )  # fmt: skip
+        if status != 0:
+            _check(status, fmt, k)
+
+    return call
 
 
 def dequantize(

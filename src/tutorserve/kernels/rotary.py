@@ -14,7 +14,7 @@ def supports(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> bool:
     """Whether q and k ([tokens, heads, head_dim] of one dtype, head rows contiguous) can be
     rotated here with a cos or sin `table` like this one."""
     return (
-        q.device.type == "cpu"
+        q.is_cpu
         and q.dtype in DTYPES
         and k.dtype == q.dtype
         and table.dtype in DTYPES

@@ -38,7 +38,7 @@ class LoRABatch:
 
 def segment_mm(x: torch.Tensor, w: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
     """Rows of `x` in segment s times `w[s]`: [n, in] × [slots, in, out] → [n, out]."""
-    if x.device.type == "cpu" and _aligned(x, w):
+    if x.is_cpu and _aligned(x, w):
         return torch._grouped_mm(x, w, offs=batch.offsets)
     # Elsewhere (grouped GEMM on CUDA needs recent GPUs and alignments): one matmul per slot
     # that has rows, still not one per request.

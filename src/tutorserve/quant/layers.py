@@ -69,6 +69,7 @@ class QuantLinear(nn.Module):
         self.out_features = sum(p.out_features for p in merged)
         self.blocks = nn.ParameterList(_blocks(p) for p in merged)
         self._plan = self._parts()
+        self._calls = [(quant.bind_matmul(b, fmt, self.in_features), c) for b, fmt, c in self._plan]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.scratch = scratch
 
@@ -96,11 +97,11 @@ class QuantLinear(nn.Module):
             xs = rows.contiguous() if rows.dtype in DTYPES else rows.float().contiguous()
             out = x.dtype if x.dtype in DTYPES and self.bias is None else torch.float32
             y = torch.empty(rows.shape[0], self.out_features, dtype=out)
-            if len(self._plan) == 1:
-                quant.matmul(self._plan[0][0], self._plan[0][1], k, xs, y)
+            if len(self._calls) == 1:
+                self._calls[0][0](xs, y)
             else:
-                for blocks, fmt, cols in self._plan:
-                    quant.matmul(blocks, fmt, k, xs, y[:, cols])
+                for call, cols in self._calls:
+                    call(xs, y[:, cols])
             if self.bias is not None:
                 y += self.bias
             if y.dtype != x.dtype:
