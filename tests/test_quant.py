@@ -14,7 +14,7 @@ from tutorserve import LLM, SamplingParams
 from tutorserve.bench.teacher_forced import forward_logits, perplexity
 from tutorserve.kernels import quant
 from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch
-from tutorserve.quant.layers import GEMV_ROWS
+from tutorserve.quant.layers import GEMV_ROWS, GEMV_ROWS_DEFAULT
 
 REPACKED = list(quant.REPACKED.values())
 FORMATS = [fmt for fmt in quant.FORMATS if fmt not in REPACKED]  # GGUF's own
@@ -131,7 +131,7 @@ def test_matmul_writes_a_column_slice_and_refuses_partial_blocks(cpu_isa):
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, GEMV_ROWS, GEMV_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, GEMV_ROWS_DEFAULT, GEMV_ROWS_DEFAULT + 1, 40])
 def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weight(
     rows, dtype, bias
 ):
@@ -146,7 +146,7 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
     b = torch.randn(96) if bias else None
     layer = QuantLinear(parts, b, Scratch()).to(dtype)
     x = torch.randn(rows, 256).to(dtype)
-    read = as_kernel_reads if rows <= GEMV_ROWS else lambda x, fmt: x.double().numpy()
+    read = as_kernel_reads if rows <= GEMV_ROWS_DEFAULT else lambda x, fmt: x.double().numpy()
     want = torch.cat(
         [torch.from_numpy(read(x, p.fmt) @ reference(p.blocks.numpy(), p.fmt).T) for p in parts],
         dim=1,
@@ -157,6 +157,21 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
     assert got.dtype == dtype and got.shape == (rows, 96)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert (got.double() - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 40, GEMV_ROWS["Q4_1_R16"], GEMV_ROWS["Q4_1_R16"] + 1])
+def test_a_repacked_layer_multiplies_on_its_blocks_up_to_its_own_row_count(rows):
+    """Q4_1 rows in sixteens are repacked at load, and multiply on their blocks (int8
+    activations) up to 64 rows, where the GGUF layout stops at 12; above, on the dequantized
+    weight."""
+    w = QuantWeight(torch.from_numpy(random_blocks("Q4_1", 32, 256)), "Q4_1", 256)
+    layer = QuantLinear([w], None, Scratch())
+    assert layer.fmts == ["Q4_1_R16"] and layer.gemv_rows == GEMV_ROWS["Q4_1_R16"]
+    x = torch.randn(rows, 256)
+    read = as_kernel_reads if rows <= layer.gemv_rows else lambda x, fmt: x.double().numpy()
+    want = read(x, "Q4_1") @ reference(w.blocks.numpy(), "Q4_1").T
+    got = layer(x).double().numpy()
+    assert abs(got - want).max() <= 1e-5 * abs(want).max()
 
 
 def test_embedding_rows_and_a_tied_head_read_the_same_blocks():

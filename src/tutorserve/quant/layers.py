@@ -1,13 +1,13 @@
 """Linear and embedding layers over quantized weights, for CPUs with our kernels.
 
-Up to `GEMV_ROWS` rows multiply on the blocks directly (`kernels/quant.c`: each row decoded
+Up to `gemv_rows` rows multiply on the blocks directly (`kernels/quant.c`: each row decoded
 once, then dotted with every activation row; Q4_0, Q4_1 and Q8_0 rows on int8 activations, Q4_0
 and Q4_1 repacked sixteen rows at a time so that a vector lane computes one output row),
 reading 4.5-8.5 bits per weight instead of 16-32.
 More rows (prefill chunks, large decode batches) are compute-bound instead: the weight is
 dequantized into a scratch buffer the model's layers share, and PyTorch's GEMM runs on that.
 No layer keeps a float copy, but the buffer grows to the largest weight used that way (the LM
-head's, when more than `GEMV_ROWS` rows sample), and rewriting it every step makes batch 64
+head's, when more than 12 rows sample), and rewriting it every step makes large batches
 slower than a model dequantized once (docs/benchmarks/quantization.md).
 """
 
@@ -21,9 +21,11 @@ from tutorserve.kernels import quant
 from tutorserve.kernels.build import DTYPES
 from tutorserve.quant.weight import QuantWeight
 
-# Above this many rows the blocks are dequantized for PyTorch's GEMM (measured crossover,
-# docs/benchmarks/quantization.md).
-GEMV_ROWS = 12
+# Rows up to which a format multiplies on its blocks (others: GEMV_ROWS_DEFAULT); above, the
+# blocks are dequantized for PyTorch's GEMM. Measured crossovers against dequantizing and the
+# GEMM (docs/benchmarks/quantization.md): repacked Q4 rows keep up to 64 rows.
+GEMV_ROWS_DEFAULT = 12
+GEMV_ROWS = {"Q4_0_R16": 64, "Q4_1_R16": 64}
 
 
 class Scratch:
@@ -70,6 +72,7 @@ class QuantLinear(nn.Module):
         self.blocks = nn.ParameterList(_blocks(p) for p in merged)
         self._plan = self._parts()
         self._calls = [(quant.bind_matmul(b, fmt, self.in_features), c) for b, fmt, c in self._plan]
+        self.gemv_rows = min(GEMV_ROWS.get(fmt, GEMV_ROWS_DEFAULT) for fmt in self.fmts)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.scratch = scratch
 
@@ -86,7 +89,7 @@ class QuantLinear(nn.Module):
         # the usual case, writes the whole output without a column view).
         k = self.in_features
         rows = x if x.dim() == 2 else x.reshape(-1, k)
-        if rows.shape[0] > GEMV_ROWS:
+        if rows.shape[0] > self.gemv_rows:
             w = self.scratch.take(self.out_features, k, x.dtype)
             for blocks, fmt, cols in self._plan:
                 quant.dequantize(blocks, fmt, k, out=w[cols])
