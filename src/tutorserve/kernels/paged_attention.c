@@ -353,7 +353,7 @@ int paged_attention(const void *q, const void *k, const void *v, const int64_t *
     float *part_out = NULL;
     if (splits > 1 && !(part_out = malloc(sizeof(float) * (size_t)(splits * rows * (dim + 1)))))
         splits = 1;
-    float *part_lse = part_out + splits * rows * dim;
+    float *part_lse = splits > 1 ? part_out + splits * rows * dim : NULL;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t i = 0; i < items * splits; i++) {
         const int64_t p = i % splits, sh = i / splits / chunks, q0 = i / splits % chunks * QCHUNK;

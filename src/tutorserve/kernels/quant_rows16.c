@@ -9,7 +9,7 @@
  * activation codes, broadcast, meets a vector of sixteen rows' words in one integer
  * multiply-add (VNNI vpdpbusd, or vpmaddubsw + vpmaddwd), and the results are already the
  * sixteen rows' sums: no shuffles, no horizontal sums, one scale load per block for all rows.
- * This is the layout llama.cpp repacks Q4_0 into on CPUs that gain from it. The bytes are
+ * llama.cpp interleaves Q4_0 rows in the same spirit on CPUs that gain from it. The bytes are
  * GGUF's, moved: a repacked weight is exactly as large.
  *
  * Byte j of a Q4 block holds code j in its low nibble and code j + 16 in its high one, so word

@@ -64,7 +64,7 @@ class QuantLinear(nn.Module):
                 merged[-1] = QuantWeight(rows, p.fmt, self.in_features)
             else:
                 merged.append(p)
-        # Q4_0/Q4_1 rows multiply about twice as fast at batch 1-12 repacked by sixteen
+        # Q4_0/Q4_1 rows repacked by sixteen multiply 1.5-2.7x faster at every batch up to 64
         # (kernels/quant_rows16.c; docs/benchmarks/quantization.md).
         merged = [p.repacked() for p in merged]
         self.fmts = [p.fmt for p in merged]
