@@ -64,8 +64,8 @@ class QuantLinear(nn.Module):
                 merged[-1] = QuantWeight(rows, p.fmt, self.in_features)
             else:
                 merged.append(p)
-        # Q4_0/Q4_1 rows repacked by sixteen multiply 1.5-2.7x faster at every batch up to 64
-        # (kernels/quant_rows16.c; docs/benchmarks/quantization.md).
+        # Q4_0/Q4_1 rows repacked by sixteen multiply 1.5-3x faster at batch 1-16, and keep up
+        # with dequantize + GEMM to 64 rows (kernels/quant_rows16.c; quantization.md).
         merged = [p.repacked() for p in merged]
         self.fmts = [p.fmt for p in merged]
         self.out_features = sum(p.out_features for p in merged)
