@@ -174,6 +174,30 @@ def test_a_repacked_layer_multiplies_on_its_blocks_up_to_its_own_row_count(rows)
     assert abs(got - want).max() <= 1e-5 * abs(want).max()
 
 
+def test_the_shared_buffer_is_dequantized_again_only_after_another_layer_took_it(monkeypatch):
+    """Above its row limit a layer dequantizes into the buffer the layers share. Called again
+    with no other layer in between (the LM head during large decode batches) it uses what the
+    buffer holds; after another layer, or in another dtype, it dequantizes again."""
+    scratch = Scratch()
+    weights = [QuantWeight(torch.from_numpy(random_blocks("Q8_0", 64, 64, seed=s)), "Q8_0", 64)
+               for s in (1, 2)]  # fmt: skip
+    a, b = (QuantLinear([w], None, scratch) for w in weights)
+    calls = []
+    dequantize = quant.dequantize
+    monkeypatch.setattr(
+        quant, "dequantize", lambda *args, **kw: calls.append(1) or dequantize(*args, **kw)
+    )
+    x = torch.randn(20, 64)
+    steps = [(a, torch.float32, 1), (a, torch.float32, 1), (b, torch.float32, 2),
+             (a, torch.float32, 3), (a, torch.bfloat16, 4)]  # fmt: skip
+    for layer, dtype, dequantized in steps:
+        w = weights[0] if layer is a else weights[1]
+        want = x.to(dtype).double() @ torch.from_numpy(reference(w.blocks.numpy(), "Q8_0")).T
+        got = layer(x.to(dtype)).double()
+        assert (got - want).abs().max() <= 3e-2 * want.abs().max()
+        assert len(calls) == dequantized
+
+
 def test_embedding_rows_and_a_tied_head_read_the_same_blocks():
     w = QuantWeight(torch.from_numpy(random_blocks("Q8_0", 50, 64)), "Q8_0", 64)
     emb = QuantEmbedding(w, torch.float32)

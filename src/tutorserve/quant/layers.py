@@ -7,8 +7,10 @@ reading 4.5-8.5 bits per weight instead of 16-32.
 More rows (prefill chunks, large decode batches) are compute-bound instead: the weight is
 dequantized into a scratch buffer the model's layers share, and PyTorch's GEMM runs on that.
 No layer keeps a float copy, but the buffer grows to the largest weight used that way (the LM
-head's, when more than 12 rows sample), and rewriting it every step makes large batches
-slower than a model dequantized once (docs/benchmarks/quantization.md).
+head's, when more than 12 rows sample); a layer that finds its own weight still there (the LM
+head, when the other layers stay on their blocks) does not dequantize it again. Rewriting it
+for every layer makes prefill-sized batches slower than a model dequantized once
+(docs/benchmarks/quantization.md).
 """
 
 from __future__ import annotations
@@ -29,15 +31,24 @@ GEMV_ROWS = {"Q4_0_R16": 64, "Q4_1_R16": 64}
 
 
 class Scratch:
-    """One buffer for the dequantized weight of whichever layer runs now."""
+    """One buffer for the dequantized weight of whichever layer runs now. It remembers whose
+    weight it holds: a layer that is the only one using it (the LM head, when 13-64 rows
+    sample and the repacked layers stay on their blocks) dequantizes once, not every step."""
 
     def __init__(self) -> None:
         self._buf = torch.empty(0)
+        self._holder: nn.Module | None = None
 
-    def take(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    def take(
+        self, holder: nn.Module, rows: int, cols: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, bool]:
+        """A [rows, cols] buffer for `holder`'s weight, and whether it holds that weight already
+        (no other layer took the buffer since)."""
+        held = self._holder is holder and self._buf.dtype == dtype
         if self._buf.dtype != dtype or self._buf.numel() < rows * cols:
             self._buf = torch.empty(rows * cols, dtype=dtype)
-        return self._buf[: rows * cols].view(rows, cols)
+        self._holder = holder
+        return self._buf[: rows * cols].view(rows, cols), held
 
 
 def _blocks(w: QuantWeight) -> nn.Parameter:
@@ -90,9 +101,10 @@ class QuantLinear(nn.Module):
         k = self.in_features
         rows = x if x.dim() == 2 else x.reshape(-1, k)
         if rows.shape[0] > self.gemv_rows:
-            w = self.scratch.take(self.out_features, k, x.dtype)
-            for blocks, fmt, cols in self._plan:
-                quant.dequantize(blocks, fmt, k, out=w[cols])
+            w, held = self.scratch.take(self, self.out_features, k, x.dtype)
+            if not held:
+                for blocks, fmt, cols in self._plan:
+                    quant.dequantize(blocks, fmt, k, out=w[cols])
             y = F.linear(rows, w, self.bias)
         else:
             # The kernel reads bf16 activations and writes bf16 outputs itself; a bias is added
