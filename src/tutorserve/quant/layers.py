@@ -15,6 +15,8 @@ for every layer makes prefill-sized batches slower than a model dequantized once
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,15 +84,16 @@ class QuantLinear(nn.Module):
         self.out_features = sum(p.out_features for p in merged)
         self.blocks = nn.ParameterList(_blocks(p) for p in merged)
         self._plan = self._parts()
-        self._calls = [(quant.bind_matmul(b, fmt, self.in_features), c) for b, fmt, c in self._plan]
         self.gemv_rows = min(GEMV_ROWS.get(fmt, GEMV_ROWS_DEFAULT) for fmt in self.fmts)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.scratch = scratch
 
-    def _parts(self) -> list[tuple[torch.Tensor, str, slice]]:
+    def _parts(self) -> list[tuple[torch.Tensor, str, slice, Callable]]:
+        """Per part: its blocks, format, output columns, and its bound matmul."""
         out, start = [], 0
         for blocks, fmt in zip(self.blocks, self.fmts, strict=True):
-            out.append((blocks, fmt, slice(start, start + blocks.shape[0])))
+            call = quant.bind_matmul(blocks, fmt, self.in_features)
+            out.append((blocks, fmt, slice(start, start + blocks.shape[0]), call))
             start += blocks.shape[0]
         return out
 
@@ -103,7 +106,7 @@ class QuantLinear(nn.Module):
         if rows.shape[0] > self.gemv_rows:
             w, held = self.scratch.take(self, self.out_features, k, x.dtype)
             if not held:
-                for blocks, fmt, cols in self._plan:
+                for blocks, fmt, cols, _ in self._plan:
                     quant.dequantize(blocks, fmt, k, out=w[cols])
             y = F.linear(rows, w, self.bias)
         else:
@@ -112,10 +115,10 @@ class QuantLinear(nn.Module):
             xs = rows.contiguous() if rows.dtype in DTYPES else rows.float().contiguous()
             out = x.dtype if x.dtype in DTYPES and self.bias is None else torch.float32
             y = torch.empty(rows.shape[0], self.out_features, dtype=out)
-            if len(self._calls) == 1:
-                self._calls[0][0](xs, y)
+            if len(self._plan) == 1:
+                self._plan[0][3](xs, y)
             else:
-                for call, cols in self._calls:
+                for _, _, cols, call in self._plan:
                     call(xs, y[:, cols])
             if self.bias is not None:
                 y += self.bias
