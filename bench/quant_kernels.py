@@ -2,10 +2,14 @@
 
     .venv/bin/python bench/quant_kernels.py matmul   # block matmul vs PyTorch, SmolLM2's shapes
     .venv/bin/python bench/quant_kernels.py memory   # weights and resident growth per loading
+    .venv/bin/python bench/quant_kernels.py crossover   # repacked rows vs dequantize + GEMM
 
 `matmul`: one `kernels.quant.matmul` call per shape, format and batch against PyTorch's matmul
 on the same weight in float32 and bf16 (median of 200 calls; the thread count is PyTorch's).
 A format with a repacked layout (`quant.REPACKED`) is also timed repacked.
+`crossover`: what `QuantLinear` chooses between at a row count (`quant/layers.py: GEMV_ROWS`):
+repacked Q4_1 rows, or dequantizing into the scratch buffer and then bf16 GEMM, beside the GEMM
+alone (a model dequantized at load); and the LM head's dequantization alone (median of 30).
 `memory`: SmolLM2 loaded with each `--quantization`/dtype in a fresh process; weights counted
 once per storage, and the process's resident growth across the load.
 """
@@ -66,6 +70,38 @@ def matmul() -> None:
                     print(f"| {n}×{k} | {name} | {batch} | {q:.0f} | {f:.0f} | {b:.0f} |")
 
 
+def crossover() -> None:
+    from tutorserve.kernels import isa, quant
+
+    print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}; µs")
+    print("| shape | rows | repacked Q4_1 | dequantize + bf16 GEMM | bf16 GEMM alone |")
+    print("|---|---|---|---|---|")
+    for n, k in ((3072, 576), (576, 1536)):
+        w = torch.randn(n, k) * 0.02
+        blocks = torch.from_numpy(quants.quantize(w.numpy(), GGMLQuantizationType.Q4_1))
+        packed, wb = quant.repack16(blocks, "Q4_1", k), w.bfloat16()  # as QuantLinear holds it
+        scratch = torch.empty(n, k, dtype=torch.bfloat16)
+        for rows in (16, 32, 64, 96, 128, 256):
+            x = torch.randn(rows, k).bfloat16()
+            y = torch.empty(rows, n, dtype=torch.bfloat16)
+            times = [
+                _median_us(lambda: quant.matmul(packed, "Q4_1_R16", k, x, y), 30),  # noqa: B023
+                _median_us(  # the layer's path above its row limit
+                    lambda: (quant.dequantize(packed, "Q4_1_R16", k, out=scratch), x @ scratch.T),  # noqa: B023
+                    30,
+                ),
+                _median_us(lambda: x @ wb.T, 30),  # noqa: B023
+            ]
+            print(f"| {n}×{k} | {rows} | " + " | ".join(f"{t:,.0f}" for t in times) + " |")
+    n, k = 49152, 576  # SmolLM2's tied LM head, Q8_0
+    head = torch.from_numpy(
+        quants.quantize((torch.randn(n, k) * 0.02).numpy(), GGMLQuantizationType.Q8_0)
+    )
+    scratch = torch.empty(n, k, dtype=torch.bfloat16)
+    t = _median_us(lambda: quant.dequantize(head, "Q8_0", k, out=scratch), 30)
+    print(f"LM head {n}×{k} Q8_0 dequantized into bf16: {t / 1000:.1f} ms")
+
+
 def _load(quantization: str, dtype: str) -> None:
     import os
 
@@ -96,6 +132,8 @@ if __name__ == "__main__":
         matmul()
     elif what == "memory":
         memory()
+    elif what == "crossover":
+        crossover()
     elif what == "_load":
         _load(*sys.argv[2:4])
     else:
