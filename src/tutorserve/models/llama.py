@@ -17,6 +17,7 @@ from tutorserve.layers.norm import RMSNorm
 from tutorserve.layers.rotary import RotaryEmbedding
 from tutorserve.models.arch import Architecture
 from tutorserve.models.config import ModelConfig
+from tutorserve.models.decode_step import FusedDecode
 
 
 class Attention(nn.Module):
@@ -98,12 +99,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.fused_decode: FusedDecode | None = FusedDecode(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] for the flattened batch."""
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        """Hidden states [T, hidden] for the flattened batch. A decode step that every piece of
+        the layers has a CPU kernel for runs them as one C call (`decode_step.py`)."""
+        x = self.embed_tokens(input_ids)
+        fused = None if self.fused_decode is None else self.fused_decode(x, positions)
+        if fused is not None:
+            x, residual = fused
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
 

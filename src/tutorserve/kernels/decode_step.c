@@ -1,0 +1,157 @@
+/* The decoder layers of a decode step in one call: a loop over layers of the kernels that the
+ * model's Python otherwise calls one by one (norm_act.c, quant.c, rotary.c, kv_write.c,
+ * paged_attention.c), with the same arguments, in the same order.
+ *
+ * At batch 1 a layer's kernels take a few hundred microseconds in all, and the Python around
+ * each of its ~10 calls (argument checks, a tensor per output, ctypes) adds about as much
+ * again. Here the calls are C calls and the intermediate rows live in one buffer for the step,
+ * so the hidden states are bit for bit those of the layer-by-layer path.
+ *
+ * Layers are Llama's (pre-norm, fused QKV with an optional bias, rotary, grouped-query
+ * attention over the paged cache, SwiGLU MLP) with every projection on quantized blocks.
+ */
+#include <stdlib.h>
+
+#include "convert.h"
+
+int add_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
+                 int64_t n, float eps, int is_bf16, int num_threads);
+int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int is_bf16,
+             int num_threads);
+int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
+                 int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy, int num_threads);
+int rotary_embedding(const int64_t *positions, void *q, void *k, int64_t tokens, int64_t q_heads,
+                     int64_t k_heads, int64_t head_dim, int64_t q_token_stride,
+                     int64_t q_head_stride, int64_t k_token_stride, int64_t k_head_stride,
+                     const void *cos, const void *sin, int64_t max_positions, int table_bf16,
+                     int is_bf16, int num_threads);
+int write_kv(const void *k, const void *v, int64_t tokens, int64_t kv_heads, int64_t head_dim,
+             int64_t k_token_stride, int64_t v_token_stride, int64_t head_stride,
+             const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, int src_bf16,
+             int cache_bf16, int num_threads);
+int paged_attention(const void *q, const void *k, const void *v, const int64_t *tables,
+                    const int64_t *lens, const int64_t *causal, int64_t sets, int64_t kv_heads,
+                    int64_t nq, int64_t group, int64_t dim, int64_t num_blocks,
+                    int64_t block_size, int64_t width, float scale, int q_bf16, int kv_bf16,
+                    float *out, float *lse, int num_threads);
+
+enum { MAX_PARTS = 4 };
+
+/* A projection: quantized parts stacked along the output (a fused QKV may mix formats). */
+typedef struct {
+    const void *blocks[MAX_PARTS];
+    int64_t rows[MAX_PARTS];
+    int32_t fmt[MAX_PARTS];
+    int32_t parts;
+    const void *bias; /* [out] in the model's dtype, or NULL */
+} Linear;
+
+typedef struct {
+    const void *input_norm, *post_norm; /* [hidden] in the model's dtype */
+    Linear qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* [kv_heads, num_blocks, block_size, head_dim] */
+} Layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
+    int64_t max_positions, parallel_work;
+    float eps, scale;
+    int32_t is_bf16, cache_bf16, table_bf16;
+    const void *cos, *sin; /* [max_positions, head_dim] rotary tables */
+} Shape;
+
+/* The threads the Python wrappers give an elementwise kernel over `work` elements. */
+static int threads_for(const Shape *s, int64_t work, int num_threads) {
+    return work >= s->parallel_work ? num_threads : 1;
+}
+
+/* y [rows, out] (row stride ldy) = x W^T (+ bias, added in float32 before the one rounding). */
+static int project(const Linear *l, const void *x, int64_t k, int64_t rows, int x_bf16, void *y,
+                   int y_bf16, int64_t ldy, float *wide, int num_threads) {
+    int64_t col = 0;
+    const int64_t size = y_bf16 ? 2 : 4;
+    void *dst = l->bias ? (void *)wide : y;
+    const int dst_bf16 = l->bias ? 0 : y_bf16;
+    const int64_t dst_size = l->bias ? 4 : size;
+    for (int p = 0; p < l->parts; p++) {
+        const int status = quant_matmul(l->blocks[p], l->fmt[p], l->rows[p], k, x, x_bf16, rows,
+                                        k, (char *)dst + col * dst_size, dst_bf16, ldy,
+                                        num_threads);
+        if (status) return status;
+        col += l->rows[p];
+    }
+    if (l->bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < col; c++)
+                store_any(y, r * ldy + c, wide[r * ldy + c] + load_any(l->bias, c, y_bf16), y_bf16);
+    return 0;
+}
+
+/* x [rows, hidden]: the embedded tokens in, the last layer's MLP output out; residual
+ * [rows, hidden]: the residual stream before that output. 0; -1 for a slot, position or shape
+ * a kernel refuses; -2 when the step's buffer cannot be allocated. */
+int decode_layers(const Layer *layers, int64_t num_layers, const Shape *s, void *x,
+                  void *residual, int64_t rows, const int64_t *positions, const int64_t *slots,
+                  const int64_t *tables, int64_t width, const int64_t *lens, int num_threads) {
+    const int bf = s->is_bf16;
+    const int64_t size = bf ? 2 : 4, H = s->hidden, D = s->head_dim, I = s->intermediate;
+    const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D;
+    const int64_t qkv_n = q_size + 2 * kv_size, group = s->heads / s->kv_heads;
+    const int64_t widest = qkv_n > 2 * I ? qkv_n : 2 * I;
+    /* One buffer for the step: normed rows, QKV (then the gate/up rows), contiguous queries,
+     * attention outputs in float32 and in the model's dtype, SiLU·up, a float32 bias scratch. */
+    const int64_t bytes = rows * (H * size + widest * size + q_size * size + q_size * 4 +
+                                  s->heads * 4 + q_size * size + I * size + widest * 4);
+    char *buf = malloc((size_t)bytes);
+    if (!buf) return -2;
+    char *h = buf, *wide_rows = h + rows * H * size, *q = wide_rows + rows * widest * size;
+    float *attn = (float *)(q + rows * q_size * size), *lse = attn + rows * q_size;
+    char *attn_dt = (char *)(lse + rows * s->heads), *act = attn_dt + rows * q_size * size;
+    float *scratch = (float *)(act + rows * I * size);
+    const int64_t num_slots = s->num_blocks * s->block_size;
+    const int norm_threads = threads_for(s, rows * H, num_threads);
+    int status = 0;
+    memcpy(residual, x, (size_t)(rows * H * size));
+    status = add_rms_norm(x, NULL, layers[0].input_norm, h, rows, H, s->eps, bf, norm_threads);
+    for (int64_t l = 0; l < num_layers && !status; l++) {
+        const Layer *L = &layers[l];
+        if (l > 0)
+            status = add_rms_norm(x, residual, L->input_norm, h, rows, H, s->eps, bf,
+                                  norm_threads);
+        if (!status)
+            status = project(&L->qkv, h, H, rows, bf, wide_rows, bf, qkv_n, scratch,
+                             num_threads);
+        char *qp = wide_rows, *kp = wide_rows + q_size * size, *vp = kp + kv_size * size;
+        if (!status)
+            status = rotary_embedding(positions, qp, kp, rows, s->heads, s->kv_heads, D, qkv_n,
+                                      D, qkv_n, D, s->cos, s->sin, s->max_positions,
+                                      s->table_bf16, bf,
+                                      threads_for(s, rows * (s->heads + s->kv_heads) * D,
+                                                  num_threads));
+        if (!status)
+            status = write_kv(kp, vp, rows, s->kv_heads, D, qkv_n, qkv_n, D, slots, L->k_cache,
+                              L->v_cache, num_slots, bf, s->cache_bf16,
+                              threads_for(s, 2 * rows * kv_size, num_threads));
+        if (status) break;
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(q + r * q_size * size, qp + r * qkv_n * size, (size_t)(q_size * size));
+        status = paged_attention(q, L->k_cache, L->v_cache, tables, lens, NULL, rows, s->kv_heads,
+                                 group, 1, D, s->num_blocks, s->block_size, width, s->scale, bf,
+                                 s->cache_bf16, attn, lse, num_threads);
+        if (status) break;
+        for (int64_t i = 0; i < rows * q_size; i++) store_any(attn_dt, i, attn[i], bf);
+        status = project(&L->o, attn_dt, q_size, rows, bf, x, bf, H, scratch, num_threads);
+        if (!status)
+            status = add_rms_norm(x, residual, L->post_norm, h, rows, H, s->eps, bf,
+                                  norm_threads);
+        if (!status)
+            status = project(&L->gate_up, h, H, rows, bf, wide_rows, bf, 2 * I, scratch,
+                             num_threads);
+        if (!status)
+            status = silu_mul(wide_rows, act, rows, I, bf, threads_for(s, rows * I, num_threads));
+        if (!status)
+            status = project(&L->down, act, I, rows, bf, x, bf, H, scratch, num_threads);
+    }
+    free(buf);
+    return status;
+}

@@ -1,0 +1,115 @@
+"""A decode step's decoder layers in one C call (`decode_step.c`): the layer-by-layer kernels
+in a C loop, for a Llama-shaped decoder whose projections are quantized blocks. The caller
+describes the layers once (`Layer`, `Linear`, `Shape`, plain ctypes structures of pointers
+and sizes, valid while the tensors they point into live) and calls `decode_layers` each step."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tutorserve.kernels import isa
+from tutorserve.kernels.build import DTYPES, PARALLEL_WORK, traced
+from tutorserve.kernels.quant import FORMATS
+
+MAX_PARTS = 4
+
+_ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [
+        ("blocks", _ptr * MAX_PARTS),
+        ("rows", _i64 * MAX_PARTS),
+        ("fmt", _i32 * MAX_PARTS),
+        ("parts", _i32),
+        ("bias", _ptr),
+    ]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("qkv", Linear),
+        ("o", Linear),
+        ("gate_up", Linear),
+        ("down", Linear),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+    ]
+
+
+class Shape(ctypes.Structure):
+    _fields_ = [
+        *((name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate",
+                                    "num_blocks", "block_size", "max_positions", "parallel_work")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("is_bf16", _i32),
+        ("cache_bf16", _i32),
+        ("table_bf16", _i32),
+        ("cos", _ptr),
+        ("sin", _ptr),
+    ]  # fmt: skip
+
+
+def linear(parts: list[tuple[torch.Tensor, str]], bias: torch.Tensor | None) -> Linear:
+    """A projection of quantized parts ([rows, bytes per row] uint8 blocks, format), stacked
+    along the output."""
+    if not 0 < len(parts) <= MAX_PARTS:
+        raise ValueError(f"a projection takes 1 to {MAX_PARTS} parts")
+    out = Linear(parts=len(parts), bias=None if bias is None else bias.data_ptr())
+    for i, (blocks, fmt) in enumerate(parts):
+        out.blocks[i], out.rows[i], out.fmt[i] = blocks.data_ptr(), blocks.shape[0], FORMATS[fmt][0]
+    return out
+
+
+def shape(
+    *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
+    dtype: torch.dtype, k_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+) -> Shape:  # fmt: skip
+    """The decoder's sizes; `k_cache` one layer's [kv_heads, blocks, block_size, head_dim]
+    cache, `cos`/`sin` the rotary tables [max_positions, head_dim]."""
+    return Shape(
+        hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        intermediate=intermediate, num_blocks=k_cache.shape[1], block_size=k_cache.shape[2],
+        max_positions=cos.shape[0], parallel_work=PARALLEL_WORK, eps=eps,
+        scale=head_dim**-0.5, is_bf16=DTYPES[dtype], cache_bf16=DTYPES[k_cache.dtype],
+        table_bf16=DTYPES[cos.dtype], cos=cos.data_ptr(), sin=sin.data_ptr(),
+    )  # fmt: skip
+
+
+def decode_layers(
+    layers: ctypes.Array,
+    shape: Shape,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+) -> torch.Tensor:
+    """Runs the layers over x ([rows, hidden] embedded tokens, one per decode row, contiguous,
+    the model's dtype; overwritten with the last layer's MLP output) and returns the residual
+    stream beside it. positions, slots, lens: [rows] int64; tables: [rows, width] int64 blocks
+    of each row (the cache's layout, as `paged_attention` takes them)."""
+    kernels = isa.active()
+    if kernels is None:
+        raise RuntimeError("the CPU decode-step kernel is not available")
+    if not (x.is_contiguous() and tables.is_contiguous()):
+        raise ValueError("decode_layers needs contiguous rows and block tables")
+    if any(t.dtype != torch.int64 or t.stride(-1) != 1 for t in (positions, slots, lens)):
+        raise ValueError("decode_layers needs contiguous int64 positions, slots and lengths")
+    residual = torch.empty_like(x)
+    with traced("tutorserve::decode_layers"):
+        status = kernels.lib.decode_layers(
+            ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(),
+            residual.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+    if status == -2:
+        raise MemoryError("decode_layers cannot allocate the step's buffer")
+    if status != 0:
+        raise ValueError("decode_layers: a slot, position or shape the kernels refuse")
+    return residual

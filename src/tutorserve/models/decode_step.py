@@ -1,0 +1,124 @@
+"""The Llama decoder's layers as one C call on decode steps (`kernels/decode_step.c`).
+
+With quantized weights a batch-1 step of the default model spends about as long in the Python
+around its ~300 kernel calls as in the kernels (docs/benchmarks/quantization.md); the C loop
+calls the same kernels with the same arguments, so its hidden states are the layer-by-layer
+path's bit for bit. It takes a step when every piece has a CPU kernel: a decode-only step
+(one token per row, no shared prefix to merge, no token on a LoRA adapter) read in place by the
+CPU attention kernel, projections on quantized blocks at a batch they keep on their blocks,
+no per-head q/k norm. Any other step, or model, runs layer by layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tutorserve.kernels import decode_step as kernel
+from tutorserve.kernels import isa
+from tutorserve.kernels.build import DTYPES
+from tutorserve.layers.attention.context import current_context
+from tutorserve.layers.attention.cpu_kernel import CPUKernelBackend
+from tutorserve.layers.lora import LoRALinear
+from tutorserve.quant import QuantLinear
+
+
+class FusedDecode:
+    """Built once per model; the layers are described to C at the first step it takes (once
+    the KV cache is bound), and again when the cache or the model's dtype changes."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.layers = layers
+        self._key: tuple[torch.Tensor, torch.dtype] | None = None
+        self._described: _Described | None = None
+
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(MLP output, residual) of the last layer for the embedded tokens x, or None when
+        this step or model is not one the C loop takes."""
+        ctx = current_context()
+        if ctx is None or ctx.lora is not None or not isinstance(ctx.backend, CPUKernelBackend):
+            return None
+        decode = ctx.attention.decode
+        rows = x.shape[0]
+        if decode is None or decode.num_rows != rows or decode.shared is not None:
+            return None
+        key = (self.layers[0].self_attn.attn.k_cache, x.dtype)
+        if self._key is None or self._key[0] is not key[0] or self._key[1] != key[1]:
+            self._key, self._described = key, _describe(self.layers, x.dtype)
+        described = self._described
+        if described is None or rows > described.max_rows:
+            return None
+        bucket = decode.buckets[0]
+        residual = kernel.decode_layers(
+            described.layers, described.shape, x, positions, ctx.slot_mapping, bucket.tables,
+            bucket.lens,
+        )  # fmt: skip
+        return x, residual
+
+
+@dataclass(slots=True)
+class _Described:
+    layers: ctypes.Array  # of kernel.Layer
+    shape: kernel.Shape
+    max_rows: int  # the most rows every projection keeps on its blocks
+    tensors: list[torch.Tensor]  # what the pointers point into, kept alive with them
+
+
+def _quantized(proj: nn.Module) -> QuantLinear | None:
+    # Steps with no token on an adapter leave a LoRA layer's base output as it is.
+    base = proj.base if isinstance(proj, LoRALinear) else proj
+    return base if isinstance(base, QuantLinear) else None
+
+
+def _describe(layers: nn.ModuleList, dtype: torch.dtype) -> _Described | None:
+    """The layers as the C loop takes them, or None when a piece has no kernel here."""
+    first = layers[0]
+    attn, rotary = first.self_attn.attn, first.self_attn.rotary
+    down = _quantized(first.mlp.down_proj)
+    if down is None:
+        return None
+    hidden, inter = down.out_features, down.in_features
+    if (
+        isa.active() is None
+        or dtype not in DTYPES
+        or first.self_attn.qk_norm
+        or not attn.k_cache.is_cpu
+        or attn.k_cache.dtype not in DTYPES
+        or rotary.cos.dtype not in DTYPES
+        or attn.head_dim % 16
+        or attn.head_dim > 256
+        or hidden % 16
+        or inter % 16
+    ):
+        return None
+    described, max_rows, tensors = [], [], [rotary.cos, rotary.sin]
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        projs = [_quantized(p) for p in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None or len(p.fmts) > kernel.MAX_PARTS for p in projs):
+            return None
+        norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        biases = [p.bias for p in projs if p.bias is not None]
+        if any(t.dtype != dtype for t in norms + biases):
+            return None
+        max_rows += [p.gemv_rows for p in projs]
+        qkv, o, gate_up, down = (
+            kernel.linear(list(zip(p.blocks, p.fmts, strict=True)), p.bias) for p in projs
+        )
+        caches = [a.attn.k_cache, a.attn.v_cache]
+        described.append(kernel.Layer(
+            norms[0].data_ptr(), norms[1].data_ptr(), qkv, o, gate_up, down,
+            caches[0].data_ptr(), caches[1].data_ptr(),
+        ))  # fmt: skip
+        tensors += norms + biases + caches + [b for p in projs for b in p.blocks]
+    shape = kernel.shape(
+        hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim, intermediate=inter, eps=first.input_layernorm.eps, dtype=dtype,
+        k_cache=attn.k_cache, cos=rotary.cos, sin=rotary.sin,
+    )  # fmt: skip
+    return _Described((kernel.Layer * len(described))(*described), shape, min(max_rows), tensors)

@@ -1,0 +1,112 @@
+"""The decoder's layers as one C call on decode steps (`models/decode_step.py`) against the same
+model run layer by layer: the same kernels in the same order, so the same logprobs bit for bit,
+at every ISA level, on the steps it takes; the steps it must not take run layer by layer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tutorserve import LLM, SamplingParams
+from tutorserve.kernels import decode_step as kernel
+from tutorserve.lora.synth import synth_lora
+from tutorserve.models.loader import load_model_config
+from tutorserve.models.synth import SynthSpec, synth_model
+
+# Three prompts of different lengths decode together; logprobs compare whole distributions.
+PROMPTS = [list(range(5, 25)), list(range(30, 41)), list(range(100, 190))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def synth(tmp_path_factory, arch: str) -> str:
+    # Widths in whole blocks of 32, so every projection quantizes (the shared synthetic
+    # models keep a float down_proj, which the C loop does not take).
+    spec = SynthSpec(arch=arch, intermediate=192, heads=4, kv_heads=2, seed=5)
+    return str(synth_model(tmp_path_factory.mktemp(arch), spec))
+
+
+@pytest.fixture(scope="module")
+def llama32(tmp_path_factory):
+    return synth(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen2_32(tmp_path_factory):
+    return synth(tmp_path_factory, "qwen2")  # a bias on q, k and v
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The rows of each step the C loop ran."""
+    calls: list[int] = []
+    run = kernel.decode_layers
+
+    def counting(layers, shape, x, *rest):
+        calls.append(x.shape[0])
+        return run(layers, shape, x, *rest)
+
+    monkeypatch.setattr(kernel, "decode_layers", counting)
+    return calls
+
+
+def both_ways(
+    make: Callable[[], LLM], prompts=PROMPTS, first: list[int] | None = None, **kw
+) -> tuple[list, list]:
+    """(C loop, layer by layer) outputs of the same requests, each on a fresh engine (so
+    that neither finds the other's prompts in its prefix cache), after `first` on its own."""
+    outs = []
+    for fused in (True, False):
+        llm = make()
+        if not fused:
+            llm.engine.model.fused_decode = None
+        if first is not None:
+            llm.generate([first], GREEDY)
+        outs.append(llm.generate(prompts, GREEDY, **kw))
+        llm.engine.kv.pool.check_integrity()
+    return outs[0], outs[1]
+
+
+def assert_same(a: list, b: list) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == y.logprobs  # floats compared exactly
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_decode_steps_in_one_call_match_layer_by_layer(
+    cpu_isa, llama32, qwen2_32, fused_calls, dtype, quantization
+):
+    for model in (llama32, qwen2_32):
+        fused, layered = both_ways(lambda m=model: LLM(m, dtype=dtype, quantization=quantization))
+        assert_same(fused, layered)
+        # every decode step: all three rows, as none ends early
+        assert fused_calls == [3] * (GREEDY.max_tokens - 1), fused_calls
+        fused_calls.clear()
+
+
+def test_steps_it_must_not_take_run_layer_by_layer(llama32, tmp_path, fused_calls):
+    """Prefill steps, shared-prefix decode steps and tokens on a LoRA adapter stay with the
+    layers; a decode step with an adapter loaded but unused takes the C loop."""
+    cfg = load_model_config(llama32)
+    adapter = str(synth_lora(tmp_path / "a", cfg, 8, ("q_proj", "down_proj"), seed=1,
+                             strength=1.5))  # fmt: skip
+
+    def make() -> LLM:
+        return LLM(llama32, dtype="float32", quantization="int4", lora_modules={"a": adapter},
+                   max_lora_rank=8)  # fmt: skip
+
+    fused, layered = both_ways(make, lora=["a", None, None])
+    assert_same(fused, layered)
+    assert fused_calls == []  # row 0 is on the adapter every step
+    fused, layered = both_ways(make, lora=[None, None, None])
+    assert_same(fused, layered)
+    assert fused_calls == [3] * (GREEDY.max_tokens - 1)
+    fused_calls.clear()
+    # Two students of a course that is in the prefix cache: their decode rows share its
+    # blocks (cascade attention)
+    course = list(range(3, 60))
+    fused, layered = both_ways(make, [[*course, 70], [*course, 80]], first=[*course, 60])
+    assert_same(fused, layered)
+    assert fused_calls == [1] * (GREEDY.max_tokens - 1)  # the first request's steps only
