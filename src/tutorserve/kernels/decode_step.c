@@ -5,7 +5,8 @@
  * At batch 1 a layer's kernels take a few hundred microseconds in all, and the Python around
  * each of its ~10 calls (argument checks, a tensor per output, ctypes) adds about as much
  * again. Here the calls are C calls and the intermediate rows live in one buffer for the step,
- * so the hidden states are bit for bit those of the layer-by-layer path.
+ * so the hidden states are bit for bit those of the layer-by-layer path, but for rows that
+ * share a cached prefix: their merge (`cascade`) rounds like C's expf, not PyTorch's.
  *
  * Layers are Llama's (pre-norm, fused QKV with an optional bias, rotary, grouped-query
  * attention over the paged cache, SwiGLU MLP) with every projection on quantized blocks.
@@ -60,6 +61,17 @@ typedef struct {
     const void *cos, *sin; /* [max_positions, head_dim] rotary tables */
 } Shape;
 
+/* Decode rows that share a cached prefix, by group (cascade attention, as
+ * layers/attention/backend.py computes it): each group's queries attend to the prefix once,
+ * and each row's result merges with its own suffix's by log-sum-exp. */
+typedef struct {
+    int64_t groups, members, width, grouped;
+    const int64_t *rows;          /* [groups, members] decode row of each member, padded with 0 */
+    const int64_t *tables, *lens; /* [groups, width] prefix blocks, [groups] prefix keys */
+    const int64_t *member_slots;  /* [grouped] group * members + member of each grouped row */
+    const int64_t *grouped_rows;  /* [grouped] its decode row */
+} Shared;
+
 /* The threads the Python wrappers give an elementwise kernel over `work` elements. */
 static int threads_for(const Shape *s, int64_t work, int num_threads) {
     return work >= s->parallel_work ? num_threads : 1;
@@ -87,17 +99,56 @@ static int project(const Linear *l, const void *x, int64_t k, int64_t rows, int 
     return 0;
 }
 
+static float log_add_exp(float a, float b) {
+    const float m = fmaxf(a, b);
+    return m == -INFINITY ? m : m + log1pf(expf(-fabsf(a - b)));
+}
+
+/* Attention of the grouped rows over their shared prefix, merged into attn / lse ([rows, heads,
+ * dim] / [rows, heads], over each row's own suffix). q: [rows, heads, dim] in the model's dtype;
+ * qp, op, lsep: room for [groups, kv_heads, members * group, dim] (lsep without dim). */
+static int cascade(const Shared *sh, const Shape *s, const Layer *L, const char *q, float *attn,
+                   float *lse, char *qp, float *op, float *lsep, int num_threads) {
+    const int64_t D = s->head_dim, kvh = s->kv_heads, g = s->heads / kvh, nq = sh->members * g;
+    const int64_t size = s->is_bf16 ? 2 : 4;
+    for (int64_t gi = 0; gi < sh->groups; gi++)
+        for (int64_t m = 0; m < sh->members; m++)
+            for (int64_t h = 0; h < kvh; h++)
+                memcpy(qp + ((gi * kvh + h) * nq + m * g) * D * size,
+                       q + (sh->rows[gi * sh->members + m] * s->heads + h * g) * D * size,
+                       (size_t)(g * D * size));
+    const int status = paged_attention(qp, L->k_cache, L->v_cache, sh->tables, sh->lens, NULL,
+                                       sh->groups, kvh, nq, 1, D, s->num_blocks, s->block_size,
+                                       sh->width, s->scale, s->is_bf16, s->cache_bf16, op, lsep,
+                                       num_threads);
+    if (status) return status;
+    for (int64_t i = 0; i < sh->grouped; i++) {
+        const int64_t row = sh->grouped_rows[i], gi = sh->member_slots[i] / sh->members;
+        const int64_t m = sh->member_slots[i] % sh->members;
+        for (int64_t hd = 0; hd < s->heads; hd++) {
+            const int64_t p = (gi * kvh + hd / g) * nq + m * g + hd % g;
+            const float own = lse[row * s->heads + hd], total = log_add_exp(own, lsep[p]);
+            const float a = expf(own - total), b = expf(lsep[p] - total);
+            float *o = attn + (row * s->heads + hd) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = o[d] * a + op[p * D + d] * b;
+        }
+    }
+    return 0;
+}
+
 /* x [rows, hidden]: the embedded tokens in, the last layer's MLP output out; residual
  * [rows, hidden]: the residual stream before that output. 0; -1 for a slot, position or shape
  * a kernel refuses; -2 when the step's buffer cannot be allocated. */
 int decode_layers(const Layer *layers, int64_t num_layers, const Shape *s, void *x,
                   void *residual, int64_t rows, const int64_t *positions, const int64_t *slots,
-                  const int64_t *tables, int64_t width, const int64_t *lens, int num_threads) {
+                  const int64_t *tables, int64_t width, const int64_t *lens,
+                  const Shared *shared, int num_threads) {
     const int bf = s->is_bf16;
     const int64_t size = bf ? 2 : 4, H = s->hidden, D = s->head_dim, I = s->intermediate;
     const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D;
     const int64_t qkv_n = q_size + 2 * kv_size, group = s->heads / s->kv_heads;
-    const int64_t widest = qkv_n > 2 * I ? qkv_n : 2 * I;
+    int64_t widest = qkv_n > 2 * I ? qkv_n : 2 * I; /* of any projection's output */
+    widest = widest > H ? widest : H;
     /* One buffer for the step: normed rows, QKV (then the gate/up rows), contiguous queries,
      * attention outputs in float32 and in the model's dtype, SiLU·up, a float32 bias scratch. */
     const int64_t bytes = rows * (H * size + widest * size + q_size * size + q_size * 4 +
@@ -108,6 +159,17 @@ int decode_layers(const Layer *layers, int64_t num_layers, const Shape *s, void 
     float *attn = (float *)(q + rows * q_size * size), *lse = attn + rows * q_size;
     char *attn_dt = (char *)(lse + rows * s->heads), *act = attn_dt + rows * q_size * size;
     float *scratch = (float *)(act + rows * I * size);
+    /* with shared prefixes: grouped queries, their prefix outputs and log-sum-exps */
+    char *qp = NULL;
+    float *op = NULL, *lsep = NULL;
+    if (shared) {
+        const int64_t n = shared->groups * shared->members * q_size;
+        if (!(qp = malloc((size_t)(n * (size + 4) + n / D * 4)))) {
+            free(buf);
+            return -2;
+        }
+        op = (float *)(qp + n * size), lsep = op + n;
+    }
     const int64_t num_slots = s->num_blocks * s->block_size;
     const int norm_threads = threads_for(s, rows * H, num_threads);
     int status = 0;
@@ -121,23 +183,25 @@ int decode_layers(const Layer *layers, int64_t num_layers, const Shape *s, void 
         if (!status)
             status = project(&L->qkv, h, H, rows, bf, wide_rows, bf, qkv_n, scratch,
                              num_threads);
-        char *qp = wide_rows, *kp = wide_rows + q_size * size, *vp = kp + kv_size * size;
+        char *qr = wide_rows, *kr = wide_rows + q_size * size, *vr = kr + kv_size * size;
         if (!status)
-            status = rotary_embedding(positions, qp, kp, rows, s->heads, s->kv_heads, D, qkv_n,
+            status = rotary_embedding(positions, qr, kr, rows, s->heads, s->kv_heads, D, qkv_n,
                                       D, qkv_n, D, s->cos, s->sin, s->max_positions,
                                       s->table_bf16, bf,
                                       threads_for(s, rows * (s->heads + s->kv_heads) * D,
                                                   num_threads));
         if (!status)
-            status = write_kv(kp, vp, rows, s->kv_heads, D, qkv_n, qkv_n, D, slots, L->k_cache,
+            status = write_kv(kr, vr, rows, s->kv_heads, D, qkv_n, qkv_n, D, slots, L->k_cache,
                               L->v_cache, num_slots, bf, s->cache_bf16,
                               threads_for(s, 2 * rows * kv_size, num_threads));
         if (status) break;
         for (int64_t r = 0; r < rows; r++)
-            memcpy(q + r * q_size * size, qp + r * qkv_n * size, (size_t)(q_size * size));
+            memcpy(q + r * q_size * size, qr + r * qkv_n * size, (size_t)(q_size * size));
         status = paged_attention(q, L->k_cache, L->v_cache, tables, lens, NULL, rows, s->kv_heads,
                                  group, 1, D, s->num_blocks, s->block_size, width, s->scale, bf,
                                  s->cache_bf16, attn, lse, num_threads);
+        if (!status && shared)
+            status = cascade(shared, s, L, q, attn, lse, qp, op, lsep, num_threads);
         if (status) break;
         for (int64_t i = 0; i < rows * q_size; i++) store_any(attn_dt, i, attn[i], bf);
         status = project(&L->o, attn_dt, q_size, rows, bf, x, bf, H, scratch, num_threads);
@@ -152,6 +216,7 @@ int decode_layers(const Layer *layers, int64_t num_layers, const Shape *s, void 
         if (!status)
             status = project(&L->down, act, I, rows, bf, x, bf, H, scratch, num_threads);
     }
+    free(qp);
     free(buf);
     return status;
 }

@@ -55,6 +55,35 @@ class Shape(ctypes.Structure):
     ]  # fmt: skip
 
 
+class Shared(ctypes.Structure):
+    _fields_ = [
+        *((name, _i64) for name in ("groups", "members", "width", "grouped")),
+        *((name, _ptr) for name in ("rows", "tables", "lens", "member_slots", "grouped_rows")),
+    ]
+
+
+def shared(
+    rows: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    member_slots: torch.Tensor,
+    grouped_rows: torch.Tensor,
+) -> Shared:
+    """Decode rows that share a cached prefix, for one step, all int64 and contiguous: rows
+    [groups, members] (each member's decode row, padded with 0), tables [groups, width] (the
+    prefix blocks), lens [groups] (prefix keys), member_slots and grouped_rows [grouped] (each
+    grouped row's group * members + member, and its decode row). Valid while they live."""
+    if any(t.dtype != torch.int64 or not t.is_contiguous()
+           for t in (rows, tables, lens, member_slots, grouped_rows)):  # fmt: skip
+        raise ValueError("shared prefixes are described by contiguous int64 tensors")
+    return Shared(
+        groups=rows.shape[0], members=rows.shape[1], width=tables.shape[1],
+        grouped=grouped_rows.shape[0], rows=rows.data_ptr(), tables=tables.data_ptr(),
+        lens=lens.data_ptr(), member_slots=member_slots.data_ptr(),
+        grouped_rows=grouped_rows.data_ptr(),
+    )  # fmt: skip
+
+
 def linear(parts: list[tuple[torch.Tensor, str]], bias: torch.Tensor | None) -> Linear:
     """A projection of quantized parts ([rows, bytes per row] uint8 blocks, format), stacked
     along the output."""
@@ -89,11 +118,13 @@ def decode_layers(
     slots: torch.Tensor,
     tables: torch.Tensor,
     lens: torch.Tensor,
+    prefixes: Shared | None = None,
 ) -> torch.Tensor:
     """Runs the layers over x ([rows, hidden] embedded tokens, one per decode row, contiguous,
     the model's dtype; overwritten with the last layer's MLP output) and returns the residual
     stream beside it. positions, slots, lens: [rows] int64; tables: [rows, width] int64 blocks
-    of each row (the cache's layout, as `paged_attention` takes them)."""
+    of each row (the cache's layout, as `paged_attention` takes them: after a shared prefix,
+    the row's own), `prefixes` the rows that share one."""
     kernels = isa.active()
     if kernels is None:
         raise RuntimeError("the CPU decode-step kernel is not available")
@@ -106,7 +137,8 @@ def decode_layers(
         status = kernels.lib.decode_layers(
             ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(),
             residual.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
-            tables.data_ptr(), tables.shape[1], lens.data_ptr(), torch.get_num_threads(),
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+            None if prefixes is None else ctypes.addressof(prefixes), torch.get_num_threads(),
         )  # fmt: skip
     if status == -2:
         raise MemoryError("decode_layers cannot allocate the step's buffer")

@@ -1,12 +1,13 @@
 """The Llama decoder's layers as one C call on decode steps (`kernels/decode_step.c`).
 
-With quantized weights a batch-1 step of the default model spends about as long in the Python
+With quantized weights a batch-1 step of the default model spent about as long in the Python
 around its ~300 kernel calls as in the kernels (docs/benchmarks/quantization.md); the C loop
 calls the same kernels with the same arguments, so its hidden states are the layer-by-layer
-path's bit for bit. It takes a step when every piece has a CPU kernel: a decode-only step
-(one token per row, no shared prefix to merge, no token on a LoRA adapter) read in place by the
-CPU attention kernel, projections on quantized blocks at a batch they keep on their blocks,
-no per-head q/k norm. Any other step, or model, runs layer by layer.
+path's bit for bit (rows that share a course prompt merge the two halves of their attention
+in C, which rounds its exponentials like C, not like PyTorch). It takes a step when every
+piece has a CPU kernel: a decode-only step (one token per row, no token on a LoRA adapter)
+read in place by the CPU attention kernel, projections on quantized blocks at a batch they
+keep on their blocks, no per-head q/k norm. Any other step, or model, runs layer by layer.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class FusedDecode:
             return None
         decode = ctx.attention.decode
         rows = x.shape[0]
-        if decode is None or decode.num_rows != rows or decode.shared is not None:
+        if decode is None or decode.num_rows != rows:
             return None
         key = (self.layers[0].self_attn.attn.k_cache, x.dtype)
         if self._key is None or self._key[0] is not key[0] or self._key[1] != key[1]:
@@ -53,10 +54,13 @@ class FusedDecode:
         described = self._described
         if described is None or rows > described.max_rows:
             return None
-        bucket = decode.buckets[0]
+        bucket, sp = decode.buckets[0], decode.shared
+        prefixes = None
+        if sp is not None:
+            prefixes = kernel.shared(sp.rows, sp.tables, sp.lens, sp.member_slots, sp.grouped_rows)
         residual = kernel.decode_layers(
             described.layers, described.shape, x, positions, ctx.slot_mapping, bucket.tables,
-            bucket.lens,
+            bucket.lens, prefixes,
         )  # fmt: skip
         return x, residual
 
