@@ -95,7 +95,7 @@ def linear(parts: list[tuple[torch.Tensor, str]], bias: torch.Tensor | None) -> 
     return out
 
 
-def shape(
+def decoder_shape(
     *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
     dtype: torch.dtype, k_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 ) -> Shape:  # fmt: skip

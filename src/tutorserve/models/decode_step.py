@@ -111,16 +111,14 @@ def _describe(layers: nn.ModuleList, dtype: torch.dtype) -> _Described | None:
         if any(t.dtype != dtype for t in norms + biases):
             return None
         max_rows += [p.gemv_rows for p in projs]
-        qkv, o, gate_up, down = (
-            kernel.linear(list(zip(p.blocks, p.fmts, strict=True)), p.bias) for p in projs
-        )
+        linears = [kernel.linear(list(zip(p.blocks, p.fmts, strict=True)), p.bias) for p in projs]
         caches = [a.attn.k_cache, a.attn.v_cache]
         described.append(kernel.Layer(
-            norms[0].data_ptr(), norms[1].data_ptr(), qkv, o, gate_up, down,
-            caches[0].data_ptr(), caches[1].data_ptr(),
+            norms[0].data_ptr(), norms[1].data_ptr(), *linears, caches[0].data_ptr(),
+            caches[1].data_ptr(),
         ))  # fmt: skip
         tensors += norms + biases + caches + [b for p in projs for b in p.blocks]
-    shape = kernel.shape(
+    shape = kernel.decoder_shape(
         hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim, intermediate=inter, eps=first.input_layernorm.eps, dtype=dtype,
         k_cache=attn.k_cache, cos=rotary.cos, sin=rotary.sin,
