@@ -39,20 +39,26 @@ def qwen2_32(tmp_path_factory):
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """(rows, groups sharing a prefix) of each step the C loop ran."""
-    calls: list[tuple[int, int]] = []
+    """(rows, groups sharing a prefix, rows computing several tokens) of each step the C loop
+    ran."""
+    calls: list[tuple[int, int, int]] = []
     run = kernel.decode_layers
 
-    def counting(layers, shape, x, positions, slots, tables, lens, prefixes=None):
-        calls.append((x.shape[0], 0 if prefixes is None else prefixes.groups))
-        return run(layers, shape, x, positions, slots, tables, lens, prefixes)
+    def counting(layers, shape, x, positions, slots, decode, prefixes=None, chunks=None):
+        groups = 0 if prefixes is None else prefixes.groups
+        calls.append((x.shape[0], groups, 0 if chunks is None else len(chunks)))
+        return run(layers, shape, x, positions, slots, decode, prefixes, chunks)
 
     monkeypatch.setattr(kernel, "decode_layers", counting)
     return calls
 
 
 def both_ways(
-    make: Callable[[], LLM], prompts=PROMPTS, first: list[list[int]] | None = None, **kw
+    make: Callable[[], LLM],
+    prompts=PROMPTS,
+    first: list[list[int]] | None = None,
+    params: SamplingParams = GREEDY,
+    **kw,
 ) -> tuple[list, list]:
     """(C loop, layer by layer) outputs of the same requests, each on a fresh engine (so
     that neither finds the other's prompts in its prefix cache), after `first`."""
@@ -63,7 +69,7 @@ def both_ways(
             llm.engine.model.fused_decode = None
         if first is not None:
             llm.generate(first, GREEDY)
-        outs.append(llm.generate(prompts, GREEDY, **kw))
+        outs.append(llm.generate(prompts, params, **kw))
         llm.engine.kv.pool.check_integrity()
     return outs[0], outs[1]
 
@@ -86,7 +92,7 @@ def test_decode_steps_in_one_call_match_layer_by_layer(
         fused, layered = both_ways(lambda m=model: LLM(m, dtype=dtype, quantization=quantization))
         assert_same(fused, layered)
         # every decode step: all three rows, as none ends early
-        assert fused_calls == [(3, 0)] * (GREEDY.max_tokens - 1), fused_calls
+        assert fused_calls == [(3, 0, 0)] * (GREEDY.max_tokens - 1), fused_calls
         fused_calls.clear()
 
 
@@ -105,7 +111,26 @@ def test_rows_sharing_course_prompts(cpu_isa, llama32, fused_calls):
     fused, layered = both_ways(make, prompts, first=[[*a, 60], [*b, 61]])
     assert_same(fused, layered, tol=1e-3)
     steps = GREEDY.max_tokens - 1
-    assert fused_calls == [(2, 0)] * steps + [(6, 2)] * steps, fused_calls
+    assert fused_calls == [(2, 0, 0)] * steps + [(6, 2, 0)] * steps, fused_calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_verifying_drafts(cpu_isa, llama32, fused_calls, dtype):
+    """Speculative decoding: a row with drafts computes several tokens, causal over its
+    context, in the same call as the plain decode rows; bit for bit the layers' outputs."""
+
+    def make() -> LLM:
+        return LLM(llama32, dtype=dtype, quantization="int4", speculative="ngram",
+                   num_speculative_tokens=4)  # fmt: skip
+
+    prompts = [[5, 6, 7, 8, 9] * 6, list(range(40, 52)) * 3, [70, 71] * 10]
+    # Long enough for the replies to repeat themselves, which the n-gram proposer drafts
+    # from; without logprobs (a request that asks for them is not drafted).
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    fused, layered = both_ways(make, prompts, params=params)
+    assert [o.token_ids for o in fused] == [o.token_ids for o in layered]
+    assert any(spans for _, _, spans in fused_calls), fused_calls
+    assert any(rows > spans for rows, _, spans in fused_calls)  # with plain decode rows
 
 
 def test_steps_with_adapter_tokens_run_layer_by_layer(llama32, tmp_path, fused_calls):
@@ -124,4 +149,4 @@ def test_steps_with_adapter_tokens_run_layer_by_layer(llama32, tmp_path, fused_c
     assert fused_calls == []  # row 0 is on the adapter every step
     fused, layered = both_ways(make, lora=[None, None, None])
     assert_same(fused, layered)
-    assert fused_calls == [(3, 0)] * (GREEDY.max_tokens - 1)
+    assert fused_calls == [(3, 0, 0)] * (GREEDY.max_tokens - 1)

@@ -58,7 +58,11 @@ _SIGNATURES = {
     "apply_token_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "rotary_embedding": [_ptr] * 3 + [_i64] * 8 + [_ptr, _ptr, _i64, _i32, _i32, _i32],
     "write_kv": [_ptr, _ptr] + [_i64] * 6 + [_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32],
-    "decode_layers": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32],
+    "decode_layers": [_ptr, _i64]
+    + [_ptr] * 3
+    + [_i64, _ptr, _ptr, _i64, _ptr, _i64]
+    + [_ptr] * 3
+    + [_i64, _i32],
 }
 
 

@@ -1,4 +1,5 @@
-/* The decoder layers of a decode step in one call: a loop over layers of the kernels that the
+/* The decoder layers of a small step (decode rows, and rows with a few tokens: speculative
+ * drafts, short prefill chunks) in one call: a loop over layers of the kernels that the
  * model's Python otherwise calls one by one (norm_act.c, quant.c, rotary.c, kv_write.c,
  * paged_attention.c), with the same arguments, in the same order.
  *
@@ -72,6 +73,15 @@ typedef struct {
     const int64_t *grouped_rows;  /* [grouped] its decode row */
 } Shared;
 
+/* A row computing several tokens this step (a short prefill chunk, or a token and its
+ * speculative drafts), causal over its context: rows start..end of the step. */
+typedef struct {
+    int64_t start, end, width;
+    const int64_t *table;   /* [width] its blocks, through this step's tokens */
+    const int64_t *kv_len;  /* [1] keys after this step */
+    const int64_t *q_start; /* [1] position of its first token */
+} Span;
+
 /* The threads the Python wrappers give an elementwise kernel over `work` elements. */
 static int threads_for(const Shape *s, int64_t work, int num_threads) {
     return work >= s->parallel_work ? num_threads : 1;
@@ -136,13 +146,38 @@ static int cascade(const Shared *sh, const Shape *s, const Layer *L, const char 
     return 0;
 }
 
+/* Attention of a span's tokens over its context (as the layer-by-layer prefill path calls
+ * it: the tokens' query heads of one KV head side by side), into attn [rows, heads, dim].
+ * qs, os: room for [kv_heads, tokens * group, dim], ls for [kv_heads, tokens * group]. */
+static int span_attention(const Span *sp, const Shape *s, const Layer *L, const char *q,
+                          float *attn, char *qs, float *os, float *ls, int num_threads) {
+    const int64_t D = s->head_dim, kvh = s->kv_heads, g = s->heads / kvh, n = sp->end - sp->start;
+    const int64_t size = s->is_bf16 ? 2 : 4;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t h = 0; h < kvh; h++)
+            memcpy(qs + (h * n + t) * g * D * size, q + ((sp->start + t) * s->heads + h * g) * D * size,
+                   (size_t)(g * D * size));
+    const int status = paged_attention(qs, L->k_cache, L->v_cache, sp->table, sp->kv_len,
+                                       sp->q_start, 1, kvh, n * g, g, D, s->num_blocks,
+                                       s->block_size, sp->width, s->scale, s->is_bf16,
+                                       s->cache_bf16, os, ls, num_threads);
+    for (int64_t t = 0; t < n && !status; t++)
+        for (int64_t h = 0; h < kvh; h++)
+            memcpy(attn + ((sp->start + t) * s->heads + h * g) * D, os + (h * n + t) * g * D,
+                   sizeof(float) * (size_t)(g * D));
+    return status;
+}
+
 /* x [rows, hidden]: the embedded tokens in, the last layer's MLP output out; residual
- * [rows, hidden]: the residual stream before that output. 0; -1 for a slot, position or shape
- * a kernel refuses; -2 when the step's buffer cannot be allocated. */
+ * [rows, hidden]: the residual stream before that output. The first decode_rows rows are
+ * one-token rows (tables [decode_rows, width] and lens as paged_attention takes them, after
+ * any shared prefix; `shared` NULL when none), the others belong to `spans`. 0; -1 for a
+ * slot, position or shape a kernel refuses; -2 when the step's buffer cannot be allocated. */
 int decode_layers(const Layer *layers, int64_t num_layers, const Shape *s, void *x,
                   void *residual, int64_t rows, const int64_t *positions, const int64_t *slots,
-                  const int64_t *tables, int64_t width, const int64_t *lens,
-                  const Shared *shared, int num_threads) {
+                  int64_t decode_rows, const int64_t *tables, int64_t width,
+                  const int64_t *lens, const Shared *shared, const Span *spans,
+                  int64_t num_spans, int num_threads) {
     const int bf = s->is_bf16;
     const int64_t size = bf ? 2 : 4, H = s->hidden, D = s->head_dim, I = s->intermediate;
     const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D;
@@ -150,15 +185,19 @@ int decode_layers(const Layer *layers, int64_t num_layers, const Shape *s, void 
     int64_t widest = qkv_n > 2 * I ? qkv_n : 2 * I; /* of any projection's output */
     widest = widest > H ? widest : H;
     /* One buffer for the step: normed rows, QKV (then the gate/up rows), contiguous queries,
-     * attention outputs in float32 and in the model's dtype, SiLU·up, a float32 bias scratch. */
+     * attention outputs in float32 and in the model's dtype, SiLU·up, a float32 bias scratch,
+     * and a span's queries, outputs and log-sum-exps in the kernel's layout. */
     const int64_t bytes = rows * (H * size + widest * size + q_size * size + q_size * 4 +
-                                  s->heads * 4 + q_size * size + I * size + widest * 4);
+                                  s->heads * 4 + q_size * size + I * size + widest * 4 +
+                                  q_size * size + q_size * 4 + s->heads * 4);
     char *buf = malloc((size_t)bytes);
     if (!buf) return -2;
     char *h = buf, *wide_rows = h + rows * H * size, *q = wide_rows + rows * widest * size;
     float *attn = (float *)(q + rows * q_size * size), *lse = attn + rows * q_size;
     char *attn_dt = (char *)(lse + rows * s->heads), *act = attn_dt + rows * q_size * size;
     float *scratch = (float *)(act + rows * I * size);
+    char *span_q = (char *)(scratch + rows * widest);
+    float *span_o = (float *)(span_q + rows * q_size * size), *span_lse = span_o + rows * q_size;
     /* with shared prefixes: grouped queries, their prefix outputs and log-sum-exps */
     char *qp = NULL;
     float *op = NULL, *lsep = NULL;
@@ -197,11 +236,15 @@ int decode_layers(const Layer *layers, int64_t num_layers, const Shape *s, void 
         if (status) break;
         for (int64_t r = 0; r < rows; r++)
             memcpy(q + r * q_size * size, qr + r * qkv_n * size, (size_t)(q_size * size));
-        status = paged_attention(q, L->k_cache, L->v_cache, tables, lens, NULL, rows, s->kv_heads,
-                                 group, 1, D, s->num_blocks, s->block_size, width, s->scale, bf,
-                                 s->cache_bf16, attn, lse, num_threads);
+        if (decode_rows)
+            status = paged_attention(q, L->k_cache, L->v_cache, tables, lens, NULL, decode_rows,
+                                     s->kv_heads, group, 1, D, s->num_blocks, s->block_size,
+                                     width, s->scale, bf, s->cache_bf16, attn, lse, num_threads);
         if (!status && shared)
             status = cascade(shared, s, L, q, attn, lse, qp, op, lsep, num_threads);
+        for (int64_t i = 0; i < num_spans && !status; i++)
+            status = span_attention(&spans[i], s, L, q, attn, span_q, span_o, span_lse,
+                                    num_threads);
         if (status) break;
         for (int64_t i = 0; i < rows * q_size; i++) store_any(attn_dt, i, attn[i], bf);
         status = project(&L->o, attn_dt, q_size, rows, bf, x, bf, H, scratch, num_threads);

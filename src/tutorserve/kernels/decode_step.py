@@ -62,6 +62,25 @@ class Shared(ctypes.Structure):
     ]
 
 
+class Span(ctypes.Structure):
+    _fields_ = [
+        *((name, _i64) for name in ("start", "end", "width")),
+        *((name, _ptr) for name in ("table", "kv_len", "q_start")),
+    ]
+
+
+def spans(chunks: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> ctypes.Array:
+    """Rows computing several tokens this step, causal over their context: (start, end) in
+    the step's rows, and int64 tensors table [blocks] (through this step's tokens), kv_len [1]
+    (keys after this step), q_start [1] (position of the first token). Valid while they live."""
+    if any(t.dtype != torch.int64 or not t.is_contiguous() for c in chunks for t in c[2:]):
+        raise ValueError("spans are described by contiguous int64 tensors")
+    return (Span * len(chunks))(*(
+        Span(start, end, table.shape[0], table.data_ptr(), kv_len.data_ptr(), q_start.data_ptr())
+        for start, end, table, kv_len, q_start in chunks
+    ))  # fmt: skip
+
+
 def shared(
     rows: torch.Tensor,
     tables: torch.Tensor,
@@ -116,29 +135,35 @@ def decode_layers(
     x: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor,
-    tables: torch.Tensor,
-    lens: torch.Tensor,
+    decode: tuple[torch.Tensor, torch.Tensor] | None,
     prefixes: Shared | None = None,
+    chunks: ctypes.Array | None = None,
 ) -> torch.Tensor:
-    """Runs the layers over x ([rows, hidden] embedded tokens, one per decode row, contiguous,
-    the model's dtype; overwritten with the last layer's MLP output) and returns the residual
-    stream beside it. positions, slots, lens: [rows] int64; tables: [rows, width] int64 blocks
-    of each row (the cache's layout, as `paged_attention` takes them: after a shared prefix,
-    the row's own), `prefixes` the rows that share one."""
+    """Runs the layers over x ([rows, hidden] embedded tokens, contiguous, the model's dtype;
+    overwritten with the last layer's MLP output) and returns the residual stream beside it.
+    positions, slots: [rows] int64. The first rows are one-token decode rows, with `decode`
+    their (tables [decode rows, width] int64, each row's blocks in the cache's layout, as
+    `paged_attention` takes them, after a shared prefix the row's own; lens [decode rows]
+    int64) and `prefixes` the rows that share one; `chunks` (`spans`) the rest."""
     kernels = isa.active()
     if kernels is None:
         raise RuntimeError("the CPU decode-step kernel is not available")
-    if not (x.is_contiguous() and tables.is_contiguous()):
+    tables, lens = (None, None) if decode is None else decode
+    if not x.is_contiguous() or (tables is not None and not tables.is_contiguous()):
         raise ValueError("decode_layers needs contiguous rows and block tables")
-    if any(t.dtype != torch.int64 or t.stride(-1) != 1 for t in (positions, slots, lens)):
+    ints = [positions, slots] + ([] if lens is None else [lens])
+    if any(t.dtype != torch.int64 or t.stride(-1) != 1 for t in ints):
         raise ValueError("decode_layers needs contiguous int64 positions, slots and lengths")
     residual = torch.empty_like(x)
     with traced("tutorserve::decode_layers"):
         status = kernels.lib.decode_layers(
             ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(),
             residual.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
-            tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-            None if prefixes is None else ctypes.addressof(prefixes), torch.get_num_threads(),
+            0 if tables is None else tables.shape[0], None if tables is None else tables.data_ptr(),
+            0 if tables is None else tables.shape[1], None if lens is None else lens.data_ptr(),
+            None if prefixes is None else ctypes.addressof(prefixes),
+            None if chunks is None else ctypes.addressof(chunks),
+            0 if chunks is None else len(chunks), torch.get_num_threads(),
         )  # fmt: skip
     if status == -2:
         raise MemoryError("decode_layers cannot allocate the step's buffer")

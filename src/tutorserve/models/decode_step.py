@@ -1,13 +1,14 @@
-"""The Llama decoder's layers as one C call on decode steps (`kernels/decode_step.c`).
+"""The Llama decoder's layers as one C call on small steps (`kernels/decode_step.c`).
 
 With quantized weights a batch-1 step of the default model spent about as long in the Python
 around its ~300 kernel calls as in the kernels (docs/benchmarks/quantization.md); the C loop
 calls the same kernels with the same arguments, so its hidden states are the layer-by-layer
 path's bit for bit (rows that share a course prompt merge the two halves of their attention
 in C, which rounds its exponentials like C, not like PyTorch). It takes a step when every
-piece has a CPU kernel: a decode-only step (one token per row, no token on a LoRA adapter)
-read in place by the CPU attention kernel, projections on quantized blocks at a batch they
-keep on their blocks, no per-head q/k norm. Any other step, or model, runs layer by layer.
+piece has a CPU kernel: attention read in place by the CPU kernel, no token on a LoRA
+adapter, projections on quantized blocks at a batch they keep on their blocks (decode rows,
+rows verifying speculative drafts, short prefill chunks: 64 tokens in all on repacked Q4
+weights, 12 on others), no per-head q/k norm. Any other step, or model, runs layer by layer.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ class FusedDecode:
         ctx = current_context()
         if ctx is None or ctx.lora is not None or not isinstance(ctx.backend, CPUKernelBackend):
             return None
-        decode = ctx.attention.decode
+        decode, prefills = ctx.attention.decode, ctx.attention.prefills
         rows = x.shape[0]
-        if decode is None or decode.num_rows != rows:
+        nd = 0 if decode is None else decode.num_rows
+        if nd + sum(p.end - p.start for p in prefills) != rows:
             return None
         key = (self.layers[0].self_attn.attn.k_cache, x.dtype)
         if self._key is None or self._key[0] is not key[0] or self._key[1] != key[1]:
@@ -54,14 +56,28 @@ class FusedDecode:
         described = self._described
         if described is None or rows > described.max_rows:
             return None
-        bucket, sp = decode.buckets[0], decode.shared
-        prefixes = None
-        if sp is not None:
-            prefixes = kernel.shared(sp.rows, sp.tables, sp.lens, sp.member_slots, sp.grouped_rows)
+        tables, prefixes, chunks = None, None, None
+        if decode is not None:
+            bucket, sp = decode.buckets[0], decode.shared
+            tables = (bucket.tables, bucket.lens)
+            if sp is not None:
+                prefixes = kernel.shared(
+                    sp.rows, sp.tables, sp.lens, sp.member_slots, sp.grouped_rows
+                )
+        if prefills:
+            chunks = kernel.spans(
+                [(c.start, c.end, c.table, c.kv_len, c.q_start) for c in prefills]
+            )
         residual = kernel.decode_layers(
-            described.layers, described.shape, x, positions, ctx.slot_mapping, bucket.tables,
-            bucket.lens, prefixes,
-        )  # fmt: skip
+            described.layers,
+            described.shape,
+            x,
+            positions,
+            ctx.slot_mapping,
+            tables,
+            prefixes,
+            chunks,
+        )
         return x, residual
 
 

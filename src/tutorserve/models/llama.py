@@ -102,8 +102,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode: FusedDecode | None = FusedDecode(self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] for the flattened batch. A decode step that every piece of
-        the layers has a CPU kernel for runs them as one C call (`decode_step.py`)."""
+        """Hidden states [T, hidden] for the flattened batch. A decode-sized step that every
+        piece of the layers has a CPU kernel for runs them as one C call (`decode_step.py`)."""
         x = self.embed_tokens(input_ids)
         fused = None if self.fused_decode is None else self.fused_decode(x, positions)
         if fused is not None:
