@@ -155,8 +155,8 @@ static int span_attention(const Span *sp, const Shape *s, const Layer *L, const 
     const int64_t size = s->is_bf16 ? 2 : 4;
     for (int64_t t = 0; t < n; t++)
         for (int64_t h = 0; h < kvh; h++)
-            memcpy(qs + (h * n + t) * g * D * size, q + ((sp->start + t) * s->heads + h * g) * D * size,
-                   (size_t)(g * D * size));
+            memcpy(qs + (h * n + t) * g * D * size,
+                   q + ((sp->start + t) * s->heads + h * g) * D * size, (size_t)(g * D * size));
     const int status = paged_attention(qs, L->k_cache, L->v_cache, sp->table, sp->kv_len,
                                        sp->q_start, 1, kvh, n * g, g, D, s->num_blocks,
                                        s->block_size, sp->width, s->scale, s->is_bf16,

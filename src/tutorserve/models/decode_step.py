@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tutorserve.kernels import decode_step as kernel
-from tutorserve.kernels import isa
+from tutorserve.kernels import paged_attention
 from tutorserve.kernels.build import DTYPES
 from tutorserve.layers.attention.context import current_context
 from tutorserve.layers.attention.cpu_kernel import CPUKernelBackend
@@ -45,16 +45,15 @@ class FusedDecode:
         ctx = current_context()
         if ctx is None or ctx.lora is not None or not isinstance(ctx.backend, CPUKernelBackend):
             return None
-        decode, prefills = ctx.attention.decode, ctx.attention.prefills
-        rows = x.shape[0]
-        nd = 0 if decode is None else decode.num_rows
-        if nd + sum(p.end - p.start for p in prefills) != rows:
-            return None
         key = (self.layers[0].self_attn.attn.k_cache, x.dtype)
         if self._key is None or self._key[0] is not key[0] or self._key[1] != key[1]:
             self._key, self._described = key, _describe(self.layers, x.dtype)
         described = self._described
-        if described is None or rows > described.max_rows:
+        if described is None or x.shape[0] > described.max_rows:
+            return None
+        decode, prefills = ctx.attention.decode, ctx.attention.prefills
+        nd = 0 if decode is None else decode.num_rows
+        if nd + sum(p.end - p.start for p in prefills) != x.shape[0]:
             return None
         tables, prefixes, chunks = None, None, None
         if decode is not None:
@@ -104,15 +103,11 @@ def _describe(layers: nn.ModuleList, dtype: torch.dtype) -> _Described | None:
         return None
     hidden, inter = down.out_features, down.in_features
     if (
-        isa.active() is None
+        not paged_attention.supports(attn.k_cache.device, attn.k_cache.dtype, attn.head_dim)
         or dtype not in DTYPES
         or first.self_attn.qk_norm
-        or not attn.k_cache.is_cpu
-        or attn.k_cache.dtype not in DTYPES
         or rotary.cos.dtype not in DTYPES
-        or attn.head_dim % 16
-        or attn.head_dim > 256
-        or hidden % 16
+        or hidden % 16  # the norm and SiLU·up kernels' row widths (norm_act.supports)
         or inter % 16
     ):
         return None
