@@ -47,15 +47,10 @@ def reference(blocks: np.ndarray, fmt: str) -> np.ndarray:
     return quants.dequantize(blocks, GGMLQuantizationType[fmt]).astype(np.float64)
 
 
-INT8_ACTIVATIONS = {"Q4_0", "Q4_1", "Q8_0"}  # multiplied on integers (kernels/quant_x8.c)
-
-
-def as_kernel_reads(x: torch.Tensor, fmt: str) -> np.ndarray:
-    """x [B, k] as the kernel multiplies it, in float64: for the integer formats each group of four
-    values rounded to int8 codes (scale max|x| / 127, to nearest even)."""
+def as_kernel_reads(x: torch.Tensor) -> np.ndarray:
+    """x [B, k] as the kernels multiply it (on integers, kernels/quant_x8.c), in float64: each
+    group of four values rounded to int8 codes (scale max|x| / 127, to nearest even)."""
     v = x.float().numpy()
-    if fmt not in INT8_ACTIVATIONS:
-        return v.astype(np.float64)
     blocks = v.reshape(v.shape[0], -1, 4)
     amax = np.abs(blocks).max(-1, keepdims=True)
     inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
@@ -78,7 +73,7 @@ def test_kernels_match_gguf_dequantize_and_a_float64_matmul(cpu_isa, fmt):
     for batch in (1, 3, 4, 5, 17):  # below, at and above the tiles (4 rows; 6 or 8 with AVX-512)
         for x in (torch.randn(batch, k), torch.randn(batch, k).bfloat16()):
             y = quant.matmul(w, fmt, k, x)
-            want = as_kernel_reads(x, fmt) @ ref.T  # exact products, float32 sums
+            want = as_kernel_reads(x) @ ref.T  # exact products, float32 sums
             np.testing.assert_allclose(y.double().numpy(), want, atol=2e-6 * np.abs(want).max())
             out = quant.matmul(w, fmt, k, x, torch.empty(batch, 67, dtype=torch.bfloat16))
             assert torch.equal(out, y.bfloat16())  # one rounding, to nearest even, as PyTorch's
@@ -100,7 +95,7 @@ def test_repacked_rows_dequantize_and_multiply_as_their_gguf_rows(cpu_isa, fmt):
     for batch in (1, 3, 4, 5, 13):  # below, at and above the tile of 4 rows
         for x in (torch.randn(batch, 96), torch.randn(batch, 96).bfloat16()):
             y = quant.matmul(w, repacked, 96, x)
-            want = as_kernel_reads(x, fmt) @ ref.T
+            want = as_kernel_reads(x) @ ref.T
             np.testing.assert_allclose(y.double().numpy(), want, atol=2e-6 * np.abs(want).max())
             out = quant.matmul(w, repacked, 96, x, torch.empty(batch, 64, dtype=torch.bfloat16))
             assert torch.equal(out, y.bfloat16())
@@ -118,7 +113,7 @@ def test_matmul_writes_a_column_slice_and_refuses_partial_blocks(cpu_isa):
     x = torch.randn(2, 64)
     out = torch.zeros(2, 20)
     quant.matmul(blocks, "Q4_1", 64, x, out[:, 6:14])
-    want = torch.from_numpy(as_kernel_reads(x, "Q4_1") @ reference(blocks.numpy(), "Q4_1").T)
+    want = torch.from_numpy(as_kernel_reads(x) @ reference(blocks.numpy(), "Q4_1").T)
     assert torch.allclose(out[:, 6:14].double(), want, atol=1e-5)
     assert out[:, :6].abs().sum() == 0 and out[:, 14:].abs().sum() == 0
     with pytest.raises(ValueError, match="not whole blocks"):
@@ -136,8 +131,8 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
     rows, dtype, bias
 ):
     """q and k in Q4_K, v in Q6_K, as a Q4_K_M file keeps them, then a Q4_1 part; decode-sized
-    batches multiply on the blocks (the Q4_1 part on int8 activations), prefill-sized ones on
-    the dequantized weight."""
+    batches multiply on the blocks (on int8 activations), prefill-sized ones on the dequantized
+    weight."""
     spec = [("Q4_K", 48, 256), ("Q4_K", 16, 256), ("Q6_K", 16, 256), ("Q4_1", 16, 256)]
     parts = [
         QuantWeight(torch.from_numpy(random_blocks(f, n, k, seed=i)), f, k)
@@ -146,9 +141,9 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
     b = torch.randn(96) if bias else None
     layer = QuantLinear(parts, b, Scratch()).to(dtype)
     x = torch.randn(rows, 256).to(dtype)
-    read = as_kernel_reads if rows <= GEMV_ROWS_DEFAULT else lambda x, fmt: x.double().numpy()
+    read = as_kernel_reads if rows <= GEMV_ROWS_DEFAULT else lambda x: x.double().numpy()
     want = torch.cat(
-        [torch.from_numpy(read(x, p.fmt) @ reference(p.blocks.numpy(), p.fmt).T) for p in parts],
+        [torch.from_numpy(read(x) @ reference(p.blocks.numpy(), p.fmt).T) for p in parts],
         dim=1,
     )
     if b is not None:
@@ -168,8 +163,8 @@ def test_a_repacked_layer_multiplies_on_its_blocks_up_to_its_own_row_count(rows)
     layer = QuantLinear([w], None, Scratch())
     assert layer.fmts == ["Q4_1_R16"] and layer.gemv_rows == GEMV_ROWS["Q4_1_R16"]
     x = torch.randn(rows, 256)
-    read = as_kernel_reads if rows <= layer.gemv_rows else lambda x, fmt: x.double().numpy()
-    want = read(x, "Q4_1") @ reference(w.blocks.numpy(), "Q4_1").T
+    read = as_kernel_reads if rows <= layer.gemv_rows else lambda x: x.double().numpy()
+    want = read(x) @ reference(w.blocks.numpy(), "Q4_1").T
     got = layer(x).double().numpy()
     assert abs(got - want).max() <= 1e-5 * abs(want).max()
 

@@ -1,4 +1,4 @@
-/* Matmuls on GGUF-quantized weights kept in their block format.
+/* GGUF-quantized weights kept in their block format: the matmul's entry, and dequantization.
  *
  * A decode step reads every weight once, so its speed is bandwidth over weight bytes: a 4-bit
  * block costs a seventh of a float32 row. Each weight row (K inputs) is a run of blocks in
@@ -13,26 +13,18 @@
  *   Q4_K  256: d, dmin, 8 x 6-bit (scale, min), nibbles          w = d sc q - dmin mn
  *   Q5_K  256: as Q4_K plus one high bit per weight
  *   Q6_K  256: 4 low + 2 high bits, 16 int8 scales, d            w = d sc (q - 32)
- * `quant_matmul` decodes a row once into a per-thread buffer, then multiplies it with every
- * activation row (y = x W^T), VL lanes at a time with the level's FMA; threads split the weight
- * rows. The codes are exact small integers and the scales are what the reference dequantizer
- * computes, so results differ from dequantize-then-matmul only in summation order. Q4_0, Q4_1
- * and Q8_0, the formats of the default model, go to quant_x8.c, which rounds the activations to
- * int8 to multiply on integers.
+ * `quant_dequantize` writes rows of w (prefill-sized batches multiply on them with PyTorch's
+ * GEMM). The codes are exact small integers and the scales are what the reference dequantizer
+ * computes, so the rows are exactly gguf's. `quant_matmul` multiplies on the blocks themselves,
+ * with int8 activations: quant_x8.c in GGUF's layout, quant_rows16.c on Q4 rows repacked.
  */
 #include <stdlib.h>
 
+#include "blocks.h"
 #include "convert.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-/* Activation rows multiplied per pass over a decoded row: 8 where 32 vector registers hold their
- * accumulators (AVX-512), else 4. */
-enum { CHUNK = 16, BATCH_TILE = VL == 16 ? 8 : 4 };
+enum { CHUNK = 16 }; /* weights per scale and offset */
 
-/* Q4_0, Q4_1 and Q8_0 rows multiply on int8 activations instead (quant_x8.c), as do Q4_0 and
- * Q4_1 weights repacked sixteen rows at a time (quant_rows16.c), whose format ids are
- * ROWS16 | the ggml id. */
-enum { ROWS16 = 256 };
 int quant_matmul_x8(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
                     int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy,
                     int num_threads);
@@ -40,39 +32,6 @@ int quant_matmul_rows16(const void *w, int fmt, int64_t n, int64_t k, const void
                         int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy,
                         int num_threads);
 void tutorserve_unpack16_row(const void *w, int fmt, int64_t r, int64_t blocks, uint8_t *out);
-
-/* Weights per block and bytes per block, or 0 for a format this file does not know. */
-static int group_of(int fmt) {
-    switch (fmt) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
-    case Q4_K: case Q5_K: case Q6_K: return 256;
-    default: return 0;
-    }
-}
-static int bytes_of(int fmt) {
-    switch (fmt) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-    }
-}
-
-/* The j-th 6-bit (scale, min) pair of a Q4_K/Q5_K block's 12 packed bytes. */
-static void scale_min_k4(int j, const uint8_t *s, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xF) | (s[j - 4] >> 6) << 4;
-        *mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-    }
-}
 
 /* HIGH_BIT[b]: eight bytes, byte j = 0x10 if bit j of b is set (Q5_0/Q5_1's fifth bits, eight
  * weights per table lookup instead of a variable shift per weight, which does not vectorize). */
@@ -197,46 +156,6 @@ __attribute__((always_inline)) static inline void decode_row(int fmt, const uint
     }
 }
 
-/* One activation row's dot product with a decoded row. Four accumulators, so that the FMAs do
- * not wait on each other's latency: with one, a batch-1 matmul ran at a quarter of the speed. */
-static float dot_one(const int8_t *q, const float *scale, const float *offset, int64_t k,
-                     const float *x) {
-    vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
-    int64_t i = 0;
-    for (; i + 4 * VL <= k; i += 4 * VL)
-        for (int u = 0; u < 4; u++) {
-            const int64_t j = i + u * VL, c = j / CHUNK;
-            acc[u] = vfma(vfma(vload_i8(q + j), vset1(scale[c]), vset1(offset[c])),
-                          vload(x + j), acc[u]);
-        }
-    for (; i < k; i += VL) {
-        const int64_t c = i / CHUNK;
-        acc[0] = vfma(vfma(vload_i8(q + i), vset1(scale[c]), vset1(offset[c])), vload(x + i),
-                      acc[0]);
-    }
-    return vhsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3])));
-}
-
-/* y[b, n] = sum_k x[b, k] W[n, k] for a tile of up to BATCH_TILE activation rows. */
-static void dot_tile(const int8_t *q, const float *scale, const float *offset, int64_t k,
-                     const float *x, int64_t ldx, int64_t rows, float *out) {
-    if (rows == 1) {
-        out[0] = dot_one(q, scale, offset, k, x);
-        return;
-    }
-    vf acc[BATCH_TILE];
-    for (int b = 0; b < BATCH_TILE; b++) acc[b] = vzero();
-    for (int64_t c = 0; c < k / CHUNK; c++) {
-        const vf s = vset1(scale[c]), o = vset1(offset[c]);
-        for (int v = 0; v < CHUNK; v += VL) {
-            const int64_t i = c * CHUNK + v;
-            const vf wv = vfma(vload_i8(q + i), s, o);
-            for (int64_t b = 0; b < rows; b++) acc[b] = vfma(wv, vload(x + b * ldx + i), acc[b]);
-        }
-    }
-    for (int64_t b = 0; b < rows; b++) out[b] = vhsum(acc[b]);
-}
-
 static int shape_ok(int fmt, int64_t k) {
     if (fmt & ROWS16 && (fmt & ~ROWS16) != Q4_0 && (fmt & ~ROWS16) != Q4_1) return 0;
     const int g = group_of(fmt & ~ROWS16);
@@ -288,27 +207,6 @@ static int for_each_row(int64_t n, int64_t k, int num_threads, RowFn fn, const v
     return failed ? -2 : 0;
 }
 
-/* x is float32 rows: bf16 activations are widened once per call, not once per weight row. */
-typedef struct {
-    const uint8_t *w;
-    int fmt, y_bf16;
-    int64_t k, batch, ldx, ldy;
-    const float *x;
-    void *y;
-} MatmulArgs;
-
-static void matmul_row(const RowBuf *buf, int64_t r, const void *ctx) {
-    const MatmulArgs *a = ctx;
-    decode_row(a->fmt, a->w, r, a->k, buf->q, buf->scale, buf->offset);
-    for (int64_t b0 = 0; b0 < a->batch; b0 += BATCH_TILE) {
-        const int64_t rows = a->batch - b0 < BATCH_TILE ? a->batch - b0 : BATCH_TILE;
-        float out[BATCH_TILE];
-        dot_tile(buf->q, buf->scale, buf->offset, a->k, a->x + b0 * a->ldx, a->ldx, rows, out);
-        for (int64_t b = 0; b < rows; b++)
-            store_any(a->y, (b0 + b) * a->ldy + r, out[b], a->y_bf16);
-    }
-}
-
 /* y = x W^T: W [n, k] quantized rows of `fmt`; x [batch, k] float32 or bf16 (`x_bf16`) rows ldx
  * apart; y [batch, n] float32 or bf16 rows ldy apart (a column slice of a wider output when
  * ldy > n). 0; -1 for rows that are not whole blocks; -2 when a buffer cannot be allocated. */
@@ -318,23 +216,7 @@ int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const void *x, in
     if (fmt & ROWS16)
         return quant_matmul_rows16(w, fmt & ~ROWS16, n, k, x, x_bf16, batch, ldx, y, y_bf16, ldy,
                                    num_threads);
-    if (fmt == Q4_0 || fmt == Q4_1 || fmt == Q8_0)
-        return quant_matmul_x8(w, fmt, n, k, x, x_bf16, batch, ldx, y, y_bf16, ldy, num_threads);
-    MatmulArgs a = {w, fmt, y_bf16, k, batch, ldx, ldy, x, y};
-    float *wide = NULL;
-    if (x_bf16) {
-        wide = malloc(sizeof(float) * (size_t)(batch * k));
-        if (!wide) return -2;
-        for (int64_t b = 0; b < batch; b++)
-            for (int64_t i = 0; i < k; i++) {
-                const uint32_t bits = (uint32_t)((const uint16_t *)x)[b * ldx + i] << 16;
-                memcpy(wide + b * k + i, &bits, sizeof bits);
-            }
-        a.x = wide, a.ldx = k;
-    }
-    const int status = for_each_row(n, k, num_threads, matmul_row, &a);
-    free(wide);
-    return status;
+    return quant_matmul_x8(w, fmt, n, k, x, x_bf16, batch, ldx, y, y_bf16, ldy, num_threads);
 }
 
 typedef struct {

@@ -20,21 +20,21 @@
  */
 #include <stdlib.h>
 
+#include "blocks.h"
 #include "convert.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, LANES = 16, MAX_ROWS = 4 };
+enum { LANES = 16, MAX_ROWS = 4 };
 
 void tutorserve_quantize_row(const void *x, int x_bf16, int64_t k, int8_t *qx, float *dx,
                              float *sx); /* quant_x8.c */
 
-static int block_bytes(int fmt) { return fmt == Q4_1 ? 20 : 18; }
 static int head_bytes(int fmt) { return fmt == Q4_1 ? 4 : 2; }
 
 /* GGUF rows (n of them, k weights each) → the repacked layout. 0; -1 for another format or
  * rows that do not come in sixteens of whole blocks. */
 int quant_repack16(const void *src, int fmt, int64_t n, int64_t k, void *dst) {
     if ((fmt != Q4_0 && fmt != Q4_1) || n % LANES || k % 32) return -1;
-    const int nb = block_bytes(fmt), head = head_bytes(fmt);
+    const int nb = bytes_of(fmt), head = head_bytes(fmt);
     const int64_t blocks = k / 32;
     for (int64_t g = 0; g < n / LANES; g++)
         for (int64_t i = 0; i < blocks; i++) {
@@ -51,7 +51,7 @@ int quant_repack16(const void *src, int fmt, int64_t n, int64_t k, void *dst) {
 
 /* Row r of a repacked weight, back in GGUF's layout (its `blocks` blocks) at out. */
 void tutorserve_unpack16_row(const void *w, int fmt, int64_t r, int64_t blocks, uint8_t *out) {
-    const int nb = block_bytes(fmt), head = head_bytes(fmt);
+    const int nb = bytes_of(fmt), head = head_bytes(fmt);
     const int64_t g = r / LANES, l = r % LANES;
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *o = (const uint8_t *)w + (g * blocks + i) * LANES * nb;
@@ -116,7 +116,7 @@ static inline vf dot4(vi u, int32_t x) {
 __attribute__((always_inline)) static inline void group_tile(const Args *a, const int FMT,
                                                              int64_t g, int part, int64_t b0,
                                                              const int ROWS) {
-    const int nb = block_bytes(FMT), head = head_bytes(FMT);
+    const int nb = bytes_of(FMT), head = head_bytes(FMT);
     vf acc[MAX_ROWS];
     for (int b = 0; b < ROWS; b++) acc[b] = vzero();
     for (int64_t i = 0; i < a->blocks; i++) {
@@ -156,7 +156,7 @@ __attribute__((always_inline)) static inline void group_tile(const Args *a, cons
                                                              int64_t g, int part, int64_t b0,
                                                              const int ROWS) {
     (void)part;
-    const int nb = block_bytes(FMT), head = head_bytes(FMT);
+    const int nb = bytes_of(FMT), head = head_bytes(FMT);
     for (int b = 0; b < ROWS; b++) {
         const int8_t *qx = a->qx + (b0 + b) * a->k;
         const float *dx = a->dx + (b0 + b) * a->k / 4;
