@@ -3,6 +3,7 @@
     .venv/bin/python bench/quant_kernels.py matmul   # block matmul vs PyTorch, SmolLM2's shapes
     .venv/bin/python bench/quant_kernels.py memory   # weights and resident growth per loading
     .venv/bin/python bench/quant_kernels.py crossover   # repacked rows vs dequantize + GEMM
+    .venv/bin/python bench/quant_kernels.py gguf FILE   # a GGUF's own tensors, one per kind
 
 `matmul`: one `kernels.quant.matmul` call per shape, format and batch against PyTorch's matmul
 on the same weight in float32 and bf16 (median of 200 calls; the thread count is PyTorch's).
@@ -10,6 +11,8 @@ A format with a repacked layout (`quant.REPACKED`) is also timed repacked.
 `crossover`: what `QuantLinear` chooses between at a row count (`quant/layers.py: GEMV_ROWS`):
 repacked Q4_1 rows, or dequantizing into the scratch buffer and then bf16 GEMM, beside the GEMM
 alone (a model dequantized at load); and the LM head's dequantization alone (median of 30).
+`gguf`: the first tensor of each (projection, format) pair in a GGUF file (a Q4_K_M file mixes
+several), its real blocks multiplied at batch 1 and 8 (median of 100; 20 for the LM head).
 `memory`: SmolLM2 loaded with each `--quantization`/dtype in a fresh process; weights counted
 once per storage, and the process's resident growth across the load.
 """
@@ -102,6 +105,30 @@ def crossover() -> None:
     print(f"LM head {n}×{k} Q8_0 dequantized into bf16: {t / 1000:.1f} ms")
 
 
+def gguf_tensors(path: str) -> None:
+    from gguf import GGUFReader
+
+    from tutorserve.kernels import isa, quant
+
+    print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}; µs")
+    print("| tensor | format | shape (out × in) | batch 1 | batch 8 |\n|---|---|---|---|---|")
+    seen = set()
+    for t in GGUFReader(path).tensors:
+        kind = (t.name.split(".")[-2], t.tensor_type.name)
+        if t.tensor_type.name not in quant.FORMATS or kind in seen or kind[0] == "token_embd":
+            continue
+        seen.add(kind)
+        n, k = int(t.shape[1]), int(t.shape[0])
+        blocks = torch.from_numpy(t.data.reshape(n, -1).copy())
+        times = []
+        for batch in (1, 8):
+            x = torch.randn(batch, k).bfloat16()
+            y = torch.empty(batch, n, dtype=torch.bfloat16)
+            reps = 20 if n > 10_000 else 100
+            times.append(_median_us(lambda: quant.matmul(blocks, kind[1], k, x, y), reps))  # noqa: B023
+        print(f"| {kind[0]} | {kind[1]} | {n}×{k} | {times[0]:,.0f} | {times[1]:,.0f} |")
+
+
 def _load(quantization: str, dtype: str) -> None:
     import os
 
@@ -134,6 +161,8 @@ if __name__ == "__main__":
         memory()
     elif what == "crossover":
         crossover()
+    elif what == "gguf" and len(sys.argv) > 2:
+        gguf_tensors(sys.argv[2])
     elif what == "_load":
         _load(*sys.argv[2:4])
     else:
