@@ -4,6 +4,7 @@
     .venv/bin/python bench/quant_kernels.py memory   # weights and resident growth per loading
     .venv/bin/python bench/quant_kernels.py crossover   # repacked rows vs dequantize + GEMM
     .venv/bin/python bench/quant_kernels.py gguf FILE   # a GGUF's own tensors, one per kind
+    .venv/bin/python bench/quant_kernels.py crossover FILE   # the same, blocks vs dequantize + GEMM
 
 `matmul`: one `kernels.quant.matmul` call per shape, format and batch against PyTorch's matmul
 on the same weight in float32 and bf16 (median of 200 calls; the thread count is PyTorch's).
@@ -11,6 +12,8 @@ A format with a repacked layout (`quant.REPACKED`) is also timed repacked.
 `crossover`: what `QuantLinear` chooses between at a row count (`quant/layers.py: GEMV_ROWS`):
 repacked Q4_1 rows, or dequantizing into the scratch buffer and then bf16 GEMM, beside the GEMM
 alone (a model dequantized at load); and the LM head's dequantization alone (median of 30).
+`crossover FILE`: the same choice on a GGUF's own layer tensors (one per projection and
+format, in GGUF's layout) at 8 to 64 rows (median of 20).
 `gguf`: the first tensor of each (projection, format) pair in a GGUF file (a Q4_K_M file mixes
 several), its real blocks multiplied at batch 1 and 8 (median of 100; 20 for the LM head).
 `memory`: SmolLM2 loaded with each `--quantization`/dtype in a fresh process; weights counted
@@ -105,13 +108,13 @@ def crossover() -> None:
     print(f"LM head {n}×{k} Q8_0 dequantized into bf16: {t / 1000:.1f} ms")
 
 
-def gguf_tensors(path: str) -> None:
+def _kinds(path: str):
+    """(projection, format, blocks [n, bytes per row], n, k) for the first tensor of each
+    (projection, format) pair in a GGUF file, the embedding left out (it is gathered)."""
     from gguf import GGUFReader
 
-    from tutorserve.kernels import isa, quant
+    from tutorserve.kernels import quant
 
-    print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}; µs")
-    print("| tensor | format | shape (out × in) | batch 1 | batch 8 |\n|---|---|---|---|---|")
     seen = set()
     for t in GGUFReader(path).tensors:
         kind = (t.name.split(".")[-2], t.tensor_type.name)
@@ -119,14 +122,46 @@ def gguf_tensors(path: str) -> None:
             continue
         seen.add(kind)
         n, k = int(t.shape[1]), int(t.shape[0])
-        blocks = torch.from_numpy(t.data.reshape(n, -1).copy())
+        yield *kind, torch.from_numpy(t.data.reshape(n, -1).copy()), n, k
+
+
+def gguf_tensors(path: str) -> None:
+    from tutorserve.kernels import isa, quant
+
+    print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}; µs")
+    print("| tensor | format | shape (out × in) | batch 1 | batch 8 |\n|---|---|---|---|---|")
+    for name, fmt, blocks, n, k in _kinds(path):
         times = []
         for batch in (1, 8):
             x = torch.randn(batch, k).bfloat16()
             y = torch.empty(batch, n, dtype=torch.bfloat16)
             reps = 20 if n > 10_000 else 100
-            times.append(_median_us(lambda: quant.matmul(blocks, kind[1], k, x, y), reps))  # noqa: B023
-        print(f"| {kind[0]} | {kind[1]} | {n}×{k} | {times[0]:,.0f} | {times[1]:,.0f} |")
+            times.append(_median_us(lambda: quant.matmul(blocks, fmt, k, x, y), reps))  # noqa: B023
+        print(f"| {name} | {fmt} | {n}×{k} | {times[0]:,.0f} | {times[1]:,.0f} |")
+
+
+def gguf_crossover(path: str) -> None:
+    from tutorserve.kernels import isa, quant
+
+    print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}; µs")
+    print("| tensor | format | rows | blocks | dequantize + bf16 GEMM |\n|---|---|---|---|---|")
+    for name, fmt, blocks, n, k in _kinds(path):
+        if n > 10_000:  # the LM head: its own choice, timed by `crossover` on SmolLM2's
+            continue
+        scratch = torch.empty(n, k, dtype=torch.bfloat16)
+        for rows in (8, 12, 16, 24, 32, 64):
+            x = torch.randn(rows, k).bfloat16()
+            y = torch.empty(rows, n, dtype=torch.bfloat16)
+
+            def on_blocks(x=x, y=y, blocks=blocks, fmt=fmt, k=k):
+                quant.matmul(blocks, fmt, k, x, y)
+
+            def dequantized(x=x, y=y, blocks=blocks, fmt=fmt, k=k, scratch=scratch):
+                quant.dequantize(blocks, fmt, k, out=scratch)
+                torch.mm(x, scratch.T, out=y)
+
+            a, b = _median_us(on_blocks, 20), _median_us(dequantized, 20)
+            print(f"| {name} | {fmt} | {rows} | {a:,.0f} | {b:,.0f} |")
 
 
 def _load(quantization: str, dtype: str) -> None:
@@ -160,7 +195,7 @@ if __name__ == "__main__":
     elif what == "memory":
         memory()
     elif what == "crossover":
-        crossover()
+        gguf_crossover(sys.argv[2]) if len(sys.argv) > 2 else crossover()
     elif what == "gguf" and len(sys.argv) > 2:
         gguf_tensors(sys.argv[2])
     elif what == "_load":
