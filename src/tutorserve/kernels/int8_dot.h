@@ -7,10 +7,10 @@
  * A unit's codes are built from its block's bits with: `nib16` (a 32-weight block's 16 bytes:
  * codes 0-15 in the low nibbles, 16-31 in the high ones), `nib32` (32 bytes' nibbles at a
  * shift: half a K-quant's pair of sub-blocks), `plane` (bits of 32 bytes at a shift, moved up
- * to bit 4: Q5_K's and Q6_K's high bits), `bits32` (0x10 where a 32-bit word has a bit:
- * Q5_0/Q5_1's fifth bits), `unit_or`, and `join`, which puts STEP units into one register;
- * the 32-weight formats' STEP blocks go at once through `nib16_blocks`, `bits32_blocks` and
- * `dm_blocks`.
+ * to bit 4: Q5_K's and Q6_K's high bits), `unit_or`, and `join`, which puts STEP units into
+ * one register. The 32-weight formats' STEP blocks go at once through `nib16_blocks`,
+ * `bits32_blocks` (0x10 where a block's 32-bit word has a bit: Q5_0/Q5_1's fifth bits) and
+ * `dm_blocks` (their scales and offsets).
  * A K-quant block's scales are a `per16` (one float per 16 weights, from its 8 bytes of
  * per-32 scales or 16 int8 per-16 ones), and `lanes_at(s, j)` spreads those of units j.. over
  * their lanes. Weights' codes are unsigned bytes except Q8_0's, which are signed like the
@@ -51,7 +51,6 @@ static inline unit unit_or(unit a, unit b) { return _mm256_or_si256(a, b); }
 #if defined(TS_AVX512)
 enum { STEP = 2 };
 typedef __m512i codes;
-static inline unit bits32(uint32_t x) { return _mm256_maskz_set1_epi8(x, 0x10); }
 static inline codes join(const unit *u) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(u[0]), u[1], 1);
 }
