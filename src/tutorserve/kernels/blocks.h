@@ -31,20 +31,21 @@ static inline int bytes_of(int fmt) {
     }
 }
 
-/* The j-th 6-bit (scale, min) pair of a Q4_K/Q5_K block's 12 packed bytes. */
-static inline void scale_min_k4(int j, const uint8_t *s, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xF) | (s[j - 4] >> 6) << 4;
-        *mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-    }
-}
-
 static inline uint32_t u32_at(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* A Q4_K/Q5_K block's eight 6-bit (scale, min) pairs, from their 12 packed bytes at s, as
+ * eight scale bytes and eight min bytes (byte j: sub-block j's). Pairs 0-3 are the low six
+ * bits of bytes 0-3 and 4-7; pairs 4-7 the nibbles of bytes 8-11, with their top two bits in
+ * the top bits of bytes 0-3 and 4-7. A 32-bit word at a time. */
+static inline void k4_scales(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    const uint32_t lo = u32_at(s), hi = u32_at(s + 4), top = u32_at(s + 8);
+    const uint32_t sc47 = (top & 0x0F0F0F0F) | (lo >> 6 & 0x03030303) << 4;
+    const uint32_t mn47 = (top >> 4 & 0x0F0F0F0F) | (hi >> 6 & 0x03030303) << 4;
+    *sc = (lo & 0x3F3F3F3F) | (uint64_t)sc47 << 32;
+    *mn = (hi & 0x3F3F3F3F) | (uint64_t)mn47 << 32;
 }
 #endif

@@ -94,7 +94,9 @@ __attribute__((always_inline)) static inline void decode(int fmt, const uint8_t 
     }
     case Q4_K: case Q5_K: {
         const float d = half(b), dmin = half(b + 2);
-        const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (fmt == Q4_K ? 16 : 48);
+        const uint8_t *qh = b + 16, *qs = b + (fmt == Q4_K ? 16 : 48);
+        uint64_t sc, mn;
+        k4_scales(b + 4, &sc, &mn);
         for (int j = 0; j < 8; j++) { /* sub-block j: 32 weights, nibbles of byte group j / 2 */
             const uint8_t *src = qs + 32 * (j / 2);
             const int shift = (j & 1) * 4;
@@ -103,10 +105,8 @@ __attribute__((always_inline)) static inline void decode(int fmt, const uint8_t 
                 if (fmt == Q5_K) v |= (qh[l] >> j & 1) << 4;
                 q[32 * j + l] = (int8_t)v;
             }
-            int sc, mn;
-            scale_min_k4(j, s, &sc, &mn);
-            scale[2 * j] = scale[2 * j + 1] = d * (float)sc;
-            offset[2 * j] = offset[2 * j + 1] = -dmin * (float)mn;
+            scale[2 * j] = scale[2 * j + 1] = d * (float)(sc >> 8 * j & 0xFF);
+            offset[2 * j] = offset[2 * j + 1] = -dmin * (float)(mn >> 8 * j & 0xFF);
         }
         return;
     }

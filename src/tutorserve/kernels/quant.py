@@ -1,4 +1,5 @@
-"""Matmul and dequantization on GGUF-quantized weight rows (`quant.c`), for the formats in
+"""Matmul and dequantization on GGUF-quantized weight rows (`quant.c`: dequantization, and the
+matmul's entry into `quant_x8.c` and `quant_rows16.c`), for the formats in
 `FORMATS` (ggml type id → weights per block, bytes per block). A `_R16` format is its GGUF
 format's blocks repacked sixteen rows at a time (`repack16`, `quant_rows16.c`): the same bytes,
 laid out so that a vector lane computes one output row."""

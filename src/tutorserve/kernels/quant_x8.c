@@ -44,14 +44,9 @@ __attribute__((always_inline)) static inline KScales k_scales(const int FMT, con
         const per16 d = per16_i8x16(b + 192, half(b + 208));
         return (KScales){d, per16_mul(d, -32.f)};
     }
-    /* Q4_K/Q5_K: w = d sc q - dmin mn, eight 6-bit (sc, mn) pairs in 12 bytes: pairs 0-3 in
-     * the low six bits of bytes 0-3 and 4-7; pairs 4-7 in the nibbles of bytes 8-11, with
-     * their top two bits in the top bits of bytes 0-3 and 4-7. A word at a time. */
-    const uint32_t lo = u32_at(b + 4), hi = u32_at(b + 8), top = u32_at(b + 12);
-    const uint32_t sc47 = (top & 0x0F0F0F0F) | (lo >> 6 & 0x03030303) << 4;
-    const uint32_t mn47 = (top >> 4 & 0x0F0F0F0F) | (hi >> 6 & 0x03030303) << 4;
-    return (KScales){per16_u8x8((lo & 0x3F3F3F3F) | (uint64_t)sc47 << 32, half(b)),
-                     per16_u8x8((hi & 0x3F3F3F3F) | (uint64_t)mn47 << 32, -half(b + 2))};
+    uint64_t sc, mn; /* Q4_K/Q5_K: w = d sc q - dmin mn, per 32 weights */
+    k4_scales(b + 4, &sc, &mn);
+    return (KScales){per16_u8x8(sc, half(b)), per16_u8x8(mn, -half(b + 2))};
 }
 
 /* Sub-block j (32 weights) of a K-quant's block: its codes. */
