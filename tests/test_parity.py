@@ -34,7 +34,10 @@ def smollm2():
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    llm = LLM("smollm2-135m-instruct", dtype="float32", kv_cache_bytes=256 << 20)
+    # Dequantized as transformers loads it: the blocks' int8 activations would move the logits.
+    llm = LLM(
+        "smollm2-135m-instruct", dtype="float32", quantization="none", kv_cache_bytes=256 << 20
+    )
     return hf, tok, llm
 
 

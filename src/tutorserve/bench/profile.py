@@ -15,7 +15,7 @@ from tutorserve.bench.workloads import edu_shared_prefix
 
 
 def profile_decode(
-    model: str, dtype: str, steps: int, rows: int, batch: int = 64, quantization: str = "none"
+    model: str, dtype: str, steps: int, rows: int, batch: int, quantization: str
 ) -> str:
     llm = LLM(model, dtype=dtype, quantization=quantization)
     engine = llm.engine

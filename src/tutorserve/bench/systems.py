@@ -79,7 +79,7 @@ def tutorserve_server(
     name: str,
     s: ServeSpec,
     tiers: bool = True,
-    quantization: str = "none",
+    quantization: str | None = None,  # None: the engine's default
     speculative: str | None = None,
     replicas: int = 0,
     routing: str = "cache-aware",
@@ -91,6 +91,8 @@ def tutorserve_server(
         extra = ["--kv-ram-gb", "0", "--kv-disk-gb", "0"]
     if speculative is not None:
         extra += ["--speculative", speculative]
+    if quantization is not None:
+        extra += ["--quantization", quantization]
     if replicas:  # engines on Ray Serve, one thread each by default
         extra += ["--replicas", str(replicas), "--routing", routing]
     if disagg is not None:  # needs the disk tier: its blocks move through it
@@ -99,7 +101,7 @@ def tutorserve_server(
     argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--model", s.files.gguf,
             "--served-model-name", s.files.name, "--dtype", s.dtype, "--max-num-seqs",
             str(s.max_num_seqs), "--kv-cache-gb", f"{s.kv_cache_gb:g}", *extra, "--max-waiting",
-            "100000", "--quantization", quantization, *s.listen]  # fmt: skip
+            "100000", *s.listen]  # fmt: skip
     return System(name, argv)
 
 

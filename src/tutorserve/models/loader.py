@@ -46,9 +46,13 @@ def load_model(
         )
     quantize = quantization in AT_LOAD or (gguf and quantization == "auto")
     if quantize and not (device.type == "cpu" and quant_kernels.available()):
-        # GPUs, and CPUs without our kernels, compute on dequantized weights (same outputs).
-        log.warning(
-            "quantized weights need our CPU kernels: %s on %s runs dequantized", model, device
+        # GPUs, and CPUs without our kernels, compute on dequantized weights (same outputs);
+        # only an explicit int8/int4 is worth a warning, auto (the default) means "where it can".
+        log.log(
+            logging.INFO if quantization == "auto" else logging.WARNING,
+            "quantized weights need our CPU kernels: %s on %s runs dequantized",
+            model,
+            device,
         )
         quantize = False
     if gguf:
