@@ -13,7 +13,8 @@ A format with a repacked layout (`quant.REPACKED`) is also timed repacked.
 repacked Q4_1 rows, or dequantizing into the scratch buffer and then bf16 GEMM, beside the GEMM
 alone (a model dequantized at load); and the LM head's dequantization alone (median of 30).
 `crossover FILE`: the same choice on a GGUF's own layer tensors (one per projection and
-format, in GGUF's layout) at 8 to 64 rows (median of 20).
+format, in GGUF's layout, and repacked where the format has a repacked layout) at 8 to 64 rows
+(median of 20).
 `gguf`: the first tensor of each (projection, format) pair in a GGUF file (a Q4_K_M file mixes
 several), its real blocks multiplied at batch 1 and 8 (median of 100; 20 for the LM head).
 `memory`: SmolLM2 loaded with each `--quantization`/dtype in a fresh process; weights counted
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
 from gguf import GGMLQuantizationType, quants
@@ -142,26 +144,33 @@ def gguf_tensors(path: str) -> None:
 
 def gguf_crossover(path: str) -> None:
     from tutorserve.kernels import isa, quant
+    from tutorserve.quant.weight import QuantWeight
 
     print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}; µs")
-    print("| tensor | format | rows | blocks | dequantize + bf16 GEMM |\n|---|---|---|---|---|")
+    print(
+        "| tensor | format | rows | blocks | repacked | dequantize + bf16 GEMM |\n"
+        "|---|---|---|---|---|---|"
+    )
     for name, fmt, blocks, n, k in _kinds(path):
         if n > 10_000:  # the LM head: its own choice, timed by `crossover` on SmolLM2's
             continue
+        repacked = QuantWeight(blocks, fmt, k).repacked()
         scratch = torch.empty(n, k, dtype=torch.bfloat16)
         for rows in (8, 12, 16, 24, 32, 64):
             x = torch.randn(rows, k).bfloat16()
             y = torch.empty(rows, n, dtype=torch.bfloat16)
 
-            def on_blocks(x=x, y=y, blocks=blocks, fmt=fmt, k=k):
-                quant.matmul(blocks, fmt, k, x, y)
+            def on(w: QuantWeight, x=x, y=y) -> None:
+                quant.matmul(w.blocks, w.fmt, w.in_features, x, y)
 
             def dequantized(x=x, y=y, blocks=blocks, fmt=fmt, k=k, scratch=scratch):
                 quant.dequantize(blocks, fmt, k, out=scratch)
                 torch.mm(x, scratch.T, out=y)
 
-            a, b = _median_us(on_blocks, 20), _median_us(dequantized, 20)
-            print(f"| {name} | {fmt} | {rows} | {a:,.0f} | {b:,.0f} |")
+            w = QuantWeight(blocks, fmt, k)
+            a, c = _median_us(partial(on, w), 20), _median_us(dequantized, 20)
+            b = f"{_median_us(partial(on, repacked), 20):,.0f}" if repacked.fmt != fmt else "–"
+            print(f"| {name} | {fmt} | {rows} | {a:,.0f} | {b} | {c:,.0f} |")
 
 
 def _load(quantization: str, dtype: str) -> None:

@@ -16,7 +16,7 @@
  * `quant_dequantize` writes rows of w (prefill-sized batches multiply on them with PyTorch's
  * GEMM). The codes are exact small integers and the scales are what the reference dequantizer
  * computes, so the rows are exactly gguf's. `quant_matmul` multiplies on the blocks themselves,
- * with int8 activations: quant_x8.c in GGUF's layout, quant_rows16.c on Q4 rows repacked.
+ * with int8 activations: quant_x8.c in GGUF's layout, quant_rows16.c on Q4/Q5_0 rows repacked.
  */
 #include <stdlib.h>
 
@@ -157,7 +157,9 @@ __attribute__((always_inline)) static inline void decode_row(int fmt, const uint
 }
 
 static int shape_ok(int fmt, int64_t k) {
-    if (fmt & ROWS16 && (fmt & ~ROWS16) != Q4_0 && (fmt & ~ROWS16) != Q4_1) return 0;
+    if (fmt & ROWS16 && (fmt & ~ROWS16) != Q4_0 && (fmt & ~ROWS16) != Q4_1 &&
+        (fmt & ~ROWS16) != Q5_0)
+        return 0;
     const int g = group_of(fmt & ~ROWS16);
     return g != 0 && k % g == 0;
 }

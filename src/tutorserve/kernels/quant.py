@@ -24,8 +24,9 @@ FORMATS = {
     "Q6_K": (14, 256, 210),
     "Q4_0_R16": (256 | 2, 32, 18),
     "Q4_1_R16": (256 | 3, 32, 20),
+    "Q5_0_R16": (256 | 6, 32, 22),
 }
-REPACKED = {"Q4_0": "Q4_0_R16", "Q4_1": "Q4_1_R16"}  # GGUF format → its repacked one
+REPACKED = {"Q4_0": "Q4_0_R16", "Q4_1": "Q4_1_R16", "Q5_0": "Q5_0_R16"}  # GGUF → repacked
 
 
 def available() -> bool:

@@ -1,8 +1,8 @@
 """Linear and embedding layers over quantized weights, for CPUs with our kernels.
 
 Up to `gemv_rows` rows multiply on the blocks directly (`kernels/quant.c`: each row decoded
-once, then dotted with every activation row; Q4_0, Q4_1 and Q8_0 rows on int8 activations, Q4_0
-and Q4_1 repacked sixteen rows at a time so that a vector lane computes one output row),
+once, then dotted with every activation row, on int8 activations; Q4_0, Q4_1 and Q5_0
+repacked sixteen rows at a time so that a vector lane computes one output row),
 reading 4.5-8.5 bits per weight instead of 16-32.
 More rows (prefill chunks, large decode batches) are compute-bound instead: the weight is
 dequantized into a scratch buffer the model's layers share, and PyTorch's GEMM runs on that.
@@ -27,9 +27,9 @@ from tutorserve.quant.weight import QuantWeight
 
 # Rows up to which a format multiplies on its blocks (others: GEMV_ROWS_DEFAULT); above, the
 # blocks are dequantized for PyTorch's GEMM. Measured crossovers against dequantizing and the
-# GEMM (docs/benchmarks/quantization.md): repacked Q4 rows keep up to 64 rows.
+# GEMM (docs/benchmarks/quantization.md): repacked Q4 and Q5_0 rows keep up to 64 rows.
 GEMV_ROWS_DEFAULT = 12
-GEMV_ROWS = {"Q4_0_R16": 64, "Q4_1_R16": 64}
+GEMV_ROWS = {"Q4_0_R16": 64, "Q4_1_R16": 64, "Q5_0_R16": 64}
 
 
 class Scratch:
@@ -77,7 +77,7 @@ class QuantLinear(nn.Module):
                 merged[-1] = QuantWeight(rows, p.fmt, self.in_features)
             else:
                 merged.append(p)
-        # Q4_0/Q4_1 rows repacked by sixteen multiply 1.5-3x faster at batch 1-16, and keep up
+        # Q4_0/Q4_1/Q5_0 rows repacked by sixteen multiply 1.5-3x faster at batch 1-16, keep up
         # with dequantize + GEMM to 64 rows (kernels/quant_rows16.c; quantization.md).
         merged = [p.repacked() for p in merged]
         self.fmts = [p.fmt for p in merged]
