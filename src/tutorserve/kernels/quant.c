@@ -157,10 +157,9 @@ __attribute__((always_inline)) static inline void decode_row(int fmt, const uint
 }
 
 static int shape_ok(int fmt, int64_t k) {
-    if (fmt & ROWS16 && (fmt & ~ROWS16) != Q4_0 && (fmt & ~ROWS16) != Q4_1 &&
-        (fmt & ~ROWS16) != Q5_0)
-        return 0;
-    const int g = group_of(fmt & ~ROWS16);
+    const int base = fmt & ~ROWS16;
+    if (fmt & ROWS16 && base != Q4_0 && base != Q4_1 && base != Q5_0) return 0;
+    const int g = group_of(base);
     return g != 0 && k % g == 0;
 }
 

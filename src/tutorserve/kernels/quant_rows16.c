@@ -52,10 +52,9 @@ int quant_repack16(const void *src, int fmt, int64_t n, int64_t k, void *dst) {
                 const uint8_t *b = (const uint8_t *)src + ((g * LANES + l) * blocks + i) * nb;
                 for (int h = 0; h < halves_of(fmt); h++)
                     memcpy(o + 2 * (h * LANES + l), b + 2 * h, 2);
-                if (fmt == Q5_0)
-                    for (int m = 0; m < 8; m++) /* m = 2j + h: bits 16h + 4j .. + 3 */
-                        masks[m] |= (uint64_t)(u32_at(b + 2) >> (16 * (m & 1) + 4 * (m / 2)) & 0xF)
-                                    << 4 * l;
+                const uint32_t qh = fmt == Q5_0 ? u32_at(b + 2) : 0;
+                for (int m = 0; m < 8; m++) /* m = 2j + h: bits 16h + 4j .. + 3 */
+                    masks[m] |= (uint64_t)(qh >> (16 * (m & 1) + 4 * (m / 2)) & 0xF) << 4 * l;
                 for (int j = 0; j < 4; j++)
                     memcpy(o + head * LANES + (j * LANES + l) * 4, b + head + 4 * j, 4);
             }
@@ -181,7 +180,8 @@ __attribute__((always_inline)) static inline void group_tile(const Args *a, cons
                 acc[b] = vfma(d, part_sum[b], acc[b]);
                 acc[b] = vfma(halves(blk + 2 * LANES + 2 * part * W), vset1(s), acc[b]);
             } else { /* w = d (q - 8), Q5_0's d (q - 16) */
-                acc[b] = vfma(d, vsub(part_sum[b], vset1((FMT == Q5_0 ? 16.f : 8.f) * s)), acc[b]);
+                const float bias = FMT == Q5_0 ? 16.f : 8.f;
+                acc[b] = vfma(d, vsub(part_sum[b], vset1(bias * s)), acc[b]);
             }
         }
     }
