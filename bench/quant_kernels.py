@@ -16,7 +16,8 @@ alone (a model dequantized at load); and the LM head's dequantization alone (med
 format, in GGUF's layout, and repacked where the format has a repacked layout) at 8 to 64 rows
 (median of 20).
 `gguf`: the first tensor of each (projection, format) pair in a GGUF file (a Q4_K_M file mixes
-several), its real blocks multiplied at batch 1 and 8 (median of 100; 20 for the LM head).
+several), its real blocks multiplied at batch 1 and 8 (median of 100; 20 for the LM head), in
+GGUF's layout and, where the format has one, repacked.
 `memory`: SmolLM2 loaded with each `--quantization`/dtype in a fresh process; weights counted
 once per storage, and the process's resident growth across the load.
 """
@@ -27,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import time
-from functools import partial
 
 import torch
 from gguf import GGMLQuantizationType, quants
@@ -127,19 +127,36 @@ def _kinds(path: str):
         yield *kind, torch.from_numpy(t.data.reshape(n, -1).copy()), n, k
 
 
+def _time_on(w, x: torch.Tensor, reps: int) -> float:
+    """Median µs of `w`'s blocks (a QuantWeight) multiplied with x, into bf16."""
+    from tutorserve.kernels import quant
+
+    y = torch.empty(x.shape[0], w.out_features, dtype=torch.bfloat16)
+    return _median_us(lambda: quant.matmul(w.blocks, w.fmt, w.in_features, x, y), reps)
+
+
 def gguf_tensors(path: str) -> None:
-    from tutorserve.kernels import isa, quant
+    from tutorserve.kernels import isa
+    from tutorserve.quant.weight import QuantWeight
 
     print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}; µs")
-    print("| tensor | format | shape (out × in) | batch 1 | batch 8 |\n|---|---|---|---|---|")
+    print(
+        "| tensor | format | shape (out × in) | batch 1 | batch 8 | repacked: batch 1 | 8 |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for name, fmt, blocks, n, k in _kinds(path):
-        times = []
-        for batch in (1, 8):
-            x = torch.randn(batch, k).bfloat16()
-            y = torch.empty(batch, n, dtype=torch.bfloat16)
-            reps = 20 if n > 10_000 else 100
-            times.append(_median_us(lambda: quant.matmul(blocks, fmt, k, x, y), reps))  # noqa: B023
-        print(f"| {name} | {fmt} | {n}×{k} | {times[0]:,.0f} | {times[1]:,.0f} |")
+        ways = [QuantWeight(blocks, fmt, k)]
+        if (repacked := ways[0].repacked()).fmt != fmt:
+            ways.append(repacked)
+        reps = 20 if n > 10_000 else 100
+        times = [
+            f"{_time_on(w, torch.randn(batch, k).bfloat16(), reps):,.0f}"
+            for w in ways
+            for batch in (1, 8)
+        ]
+        print(
+            f"| {name} | {fmt} | {n}×{k} | " + " | ".join(times + ["–"] * (4 - len(times))) + " |"
+        )
 
 
 def gguf_crossover(path: str) -> None:
@@ -154,22 +171,19 @@ def gguf_crossover(path: str) -> None:
     for name, fmt, blocks, n, k in _kinds(path):
         if n > 10_000:  # the LM head: its own choice, timed by `crossover` on SmolLM2's
             continue
-        repacked = QuantWeight(blocks, fmt, k).repacked()
+        gguf = QuantWeight(blocks, fmt, k)
+        repacked = gguf.repacked()
         scratch = torch.empty(n, k, dtype=torch.bfloat16)
         for rows in (8, 12, 16, 24, 32, 64):
             x = torch.randn(rows, k).bfloat16()
             y = torch.empty(rows, n, dtype=torch.bfloat16)
 
-            def on(w: QuantWeight, x=x, y=y) -> None:
-                quant.matmul(w.blocks, w.fmt, w.in_features, x, y)
-
             def dequantized(x=x, y=y, blocks=blocks, fmt=fmt, k=k, scratch=scratch):
                 quant.dequantize(blocks, fmt, k, out=scratch)
                 torch.mm(x, scratch.T, out=y)
 
-            w = QuantWeight(blocks, fmt, k)
-            a, c = _median_us(partial(on, w), 20), _median_us(dequantized, 20)
-            b = f"{_median_us(partial(on, repacked), 20):,.0f}" if repacked.fmt != fmt else "–"
+            a, c = _time_on(gguf, x, 20), _median_us(dequantized, 20)
+            b = f"{_time_on(repacked, x, 20):,.0f}" if repacked.fmt != fmt else "–"
             print(f"| {name} | {fmt} | {rows} | {a:,.0f} | {b} | {c:,.0f} |")
 
 

@@ -30,8 +30,8 @@
 
 enum { LANES = 16, MAX_ROWS = 4 };
 
-void tutorserve_quantize_row(const void *x, int x_bf16, int64_t k, int8_t *qx, float *dx,
-                             float *sx); /* quant_x8.c */
+void tutorserve_quantize_rows(const void *x, int x_bf16, int64_t batch, int64_t ldx, int64_t k,
+                              int8_t *qx, float *dx, float *sx, int num_threads); /* quant_x8.c */
 
 /* Bytes per row before a block's codes: d, Q4_1's m, Q5_0's fifth bits. */
 static int head_bytes(int fmt) { return fmt == Q4_0 ? 2 : fmt == Q4_1 ? 4 : 6; }
@@ -258,18 +258,13 @@ int quant_matmul_rows16(const void *w, int fmt, int64_t n, int64_t k, const void
         return -2;
     }
     float *dx = scales, *sx = scales + batch * k / 4, *sums = sx + batch * k / 4;
-    const int elem = x_bf16 ? 2 : 4;
-    /* Rounding 64 rows is ~100 µs on one core: as long as a small projection's whole matmul. */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (batch >= 8)
-    for (int64_t b = 0; b < batch; b++) {
-        tutorserve_quantize_row((const uint8_t *)x + b * ldx * elem, x_bf16, k, qx + b * k,
-                                dx + b * k / 4, sx + b * k / 4);
+    tutorserve_quantize_rows(x, x_bf16, batch, ldx, k, qx, dx, sx, num_threads);
+    for (int64_t b = 0; b < batch; b++)
         for (int64_t i = 0; i < blocks; i++) {
             float s = 0.f;
             for (int g = 0; g < 8; g++) s += sx[b * k / 4 + i * 8 + g];
             sums[b * blocks + i] = s;
         }
-    }
     const Args a = {w, blocks, k, ldy, qx, dx, sums, y, y_bf16};
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t g = 0; g < n / LANES; g++) {

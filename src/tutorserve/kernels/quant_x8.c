@@ -156,8 +156,7 @@ __attribute__((always_inline)) static inline void weight_row(const Args *a, int6
 
 /* A row of x (k values, float32 or bf16) → int8 codes, and per four of them their scale and
  * the scale times their sum. */
-void tutorserve_quantize_row(const void *x, int x_bf16, int64_t k, int8_t *qx, float *dx,
-                             float *sx) {
+static void quantize_row(const void *x, int x_bf16, int64_t k, int8_t *qx, float *dx, float *sx) {
     for (int64_t g = 0; g < k / 4; g++) {
         float v[4], amax = 0.f;
         for (int j = 0; j < 4; j++) {
@@ -176,6 +175,18 @@ void tutorserve_quantize_row(const void *x, int x_bf16, int64_t k, int8_t *qx, f
     }
 }
 
+/* `batch` rows of x, ldx apart → quantize_row's codes qx [batch, k], scales dx and scaled sums
+ * sx [batch, k / 4]. On one core, rounding 64 rows held up a small projection's matmul (its
+ * kernel then works on all cores), so from 8 rows on they are rounded in parallel. */
+void tutorserve_quantize_rows(const void *x, int x_bf16, int64_t batch, int64_t ldx, int64_t k,
+                              int8_t *qx, float *dx, float *sx, int num_threads) {
+    const int elem = x_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (batch >= 8)
+    for (int64_t b = 0; b < batch; b++)
+        quantize_row((const uint8_t *)x + b * ldx * elem, x_bf16, k, qx + b * k, dx + b * k / 4,
+                     sx + b * k / 4);
+}
+
 /* y = x W^T as quant_matmul (quant.c) takes it. 0; -1 for rows that are not whole blocks or a
  * format this file does not know; -2 when a buffer cannot be allocated. */
 int quant_matmul_x8(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
@@ -189,12 +200,7 @@ int quant_matmul_x8(const void *w, int fmt, int64_t n, int64_t k, const void *x,
         return -2;
     }
     float *dx = scales, *sx = scales + batch * k / 4;
-    const int elem = x_bf16 ? 2 : 4;
-    /* Rounding 64 rows is ~100 µs on one core: as long as a small projection's whole matmul. */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (batch >= 8)
-    for (int64_t b = 0; b < batch; b++)
-        tutorserve_quantize_row((const uint8_t *)x + b * ldx * elem, x_bf16, k, qx + b * k,
-                                dx + b * k / 4, sx + b * k / 4);
+    tutorserve_quantize_rows(x, x_bf16, batch, ldx, k, qx, dx, sx, num_threads);
     const Args a = {w, y_bf16, k / 32, ldy, qx, dx, sx, y};
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t r = 0; r < n; r++) {
