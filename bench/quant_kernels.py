@@ -111,11 +111,12 @@ def crossover() -> None:
 
 
 def _kinds(path: str):
-    """(projection, format, blocks [n, bytes per row], n, k) for the first tensor of each
+    """(projection, format, weight, repacked weight or None) for the first tensor of each
     (projection, format) pair in a GGUF file, the embedding left out (it is gathered)."""
     from gguf import GGUFReader
 
     from tutorserve.kernels import quant
+    from tutorserve.quant.weight import QuantWeight
 
     seen = set()
     for t in GGUFReader(path).tensors:
@@ -123,8 +124,17 @@ def _kinds(path: str):
         if t.tensor_type.name not in quant.FORMATS or kind in seen or kind[0] == "token_embd":
             continue
         seen.add(kind)
-        n, k = int(t.shape[1]), int(t.shape[0])
-        yield *kind, torch.from_numpy(t.data.reshape(n, -1).copy()), n, k
+        blocks = torch.from_numpy(t.data.reshape(int(t.shape[1]), -1).copy())
+        weight = QuantWeight(blocks, kind[1], int(t.shape[0]))
+        repacked = weight.repacked()
+        yield *kind, weight, (repacked if repacked.fmt != weight.fmt else None)
+
+
+def _head(*columns: str) -> None:
+    from tutorserve.kernels import isa
+
+    print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}; µs")
+    print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|")
 
 
 def _time_on(w, x: torch.Tensor, reps: int) -> float:
@@ -136,54 +146,37 @@ def _time_on(w, x: torch.Tensor, reps: int) -> float:
 
 
 def gguf_tensors(path: str) -> None:
-    from tutorserve.kernels import isa
-    from tutorserve.quant.weight import QuantWeight
-
-    print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}; µs")
-    print(
-        "| tensor | format | shape (out × in) | batch 1 | batch 8 | repacked: batch 1 | 8 |\n"
-        "|---|---|---|---|---|---|---|"
-    )
-    for name, fmt, blocks, n, k in _kinds(path):
-        ways = [QuantWeight(blocks, fmt, k)]
-        if (repacked := ways[0].repacked()).fmt != fmt:
-            ways.append(repacked)
+    _head("tensor", "format", "shape (out × in)", "batch 1", "batch 8", "repacked: batch 1", "8")
+    for name, fmt, weight, repacked in _kinds(path):
+        n, k = weight.shape
         reps = 20 if n > 10_000 else 100
         times = [
-            f"{_time_on(w, torch.randn(batch, k).bfloat16(), reps):,.0f}"
-            for w in ways
+            f"{_time_on(w, torch.randn(batch, k).bfloat16(), reps):,.0f}" if w else "–"
+            for w in (weight, repacked)
             for batch in (1, 8)
         ]
-        print(
-            f"| {name} | {fmt} | {n}×{k} | " + " | ".join(times + ["–"] * (4 - len(times))) + " |"
-        )
+        print(f"| {name} | {fmt} | {n}×{k} | " + " | ".join(times) + " |")
 
 
 def gguf_crossover(path: str) -> None:
-    from tutorserve.kernels import isa, quant
-    from tutorserve.quant.weight import QuantWeight
+    from tutorserve.kernels import quant
 
-    print(f"kernels: {isa.active().level}; threads: {torch.get_num_threads()}; µs")
-    print(
-        "| tensor | format | rows | blocks | repacked | dequantize + bf16 GEMM |\n"
-        "|---|---|---|---|---|---|"
-    )
-    for name, fmt, blocks, n, k in _kinds(path):
+    _head("tensor", "format", "rows", "blocks", "repacked", "dequantize + bf16 GEMM")
+    for name, fmt, weight, repacked in _kinds(path):
+        n, k = weight.shape
         if n > 10_000:  # the LM head: its own choice, timed by `crossover` on SmolLM2's
             continue
-        gguf = QuantWeight(blocks, fmt, k)
-        repacked = gguf.repacked()
         scratch = torch.empty(n, k, dtype=torch.bfloat16)
         for rows in (8, 12, 16, 24, 32, 64):
             x = torch.randn(rows, k).bfloat16()
             y = torch.empty(rows, n, dtype=torch.bfloat16)
 
-            def dequantized(x=x, y=y, blocks=blocks, fmt=fmt, k=k, scratch=scratch):
+            def dequantized(x=x, y=y, blocks=weight.blocks, fmt=fmt, k=k, scratch=scratch):
                 quant.dequantize(blocks, fmt, k, out=scratch)
                 torch.mm(x, scratch.T, out=y)
 
-            a, c = _time_on(gguf, x, 20), _median_us(dequantized, 20)
-            b = f"{_time_on(repacked, x, 20):,.0f}" if repacked.fmt != fmt else "–"
+            a, c = _time_on(weight, x, 20), _median_us(dequantized, 20)
+            b = f"{_time_on(repacked, x, 20):,.0f}" if repacked else "–"
             print(f"| {name} | {fmt} | {rows} | {a:,.0f} | {b} | {c:,.0f} |")
 
 
