@@ -74,8 +74,9 @@ class EngineConfig:
     # serving goodput on `random` rose 0.53 -> 0.76 req/s (docs/benchmarks/quantization.md).
     quantization: str = _option(
         "auto",
-        Flag("weights: auto keeps a GGUF's quantized blocks (on a CPU), none dequantizes them, "
-             "int8/int4 quantize a HF checkpoint at load", choices=QUANTIZATIONS),
+        Flag("weights: auto keeps a GGUF's or an AWQ/GPTQ checkpoint's quantized blocks (on a "
+             "CPU), none dequantizes them, int8/int4 quantize a HF checkpoint at load",
+             choices=QUANTIZATIONS),
     )  # fmt: skip
     block_size: int = _option(16, Flag("tokens per KV block (a power of two)"))
     # KV budget: an explicit block count wins over a byte budget.

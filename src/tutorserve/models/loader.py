@@ -23,6 +23,7 @@ from tutorserve.models.registry import resolve
 from tutorserve.models.tokenizer import Tokenizer
 from tutorserve.models.weights import install_quantized, load_weights
 from tutorserve.quant import QuantWeight
+from tutorserve.quant.awq_gptq import PackedInt4, packed_linears, scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +37,23 @@ AT_LOAD = {"int8": "Q8_0", "int4": "Q4_1"}
 def load_model(
     model: str, dtype: torch.dtype, device: torch.device, quantization: str = "none"
 ) -> tuple[LlamaForCausalLM, Tokenizer]:
-    """`quantization`: auto keeps a GGUF's quantized weights as they are (CPU only), none
-    dequantizes them, int8/int4 quantize a HF checkpoint's linears at load."""
+    """`quantization`: auto keeps a GGUF's or an AWQ/GPTQ checkpoint's quantized weights as
+    they are (CPU only), none dequantizes them, int8/int4 quantize a HF checkpoint's linears
+    at load."""
     path = resolve(model)
     gguf = path.suffix == ".gguf"
-    if gguf and quantization in AT_LOAD:
+    if gguf:
+        gg = GGUFModel(path)
+        config, tokenizer, packed = gg.config, gg.tokenizer(), None
+    else:
+        config, tensors, tokenizer, packed = _hf_dir(path)
+    prequantized = gguf or packed is not None
+    if prequantized and quantization in AT_LOAD:
+        source = f"{packed.method.upper()} checkpoint" if packed else "GGUF file"
         raise ValueError(
-            f"a GGUF file keeps its own quantization: use auto or none, not {quantization}"
+            f"this {source} keeps its own quantization: use auto or none, not {quantization}"
         )
-    quantize = quantization in AT_LOAD or (gguf and quantization == "auto")
+    quantize = quantization in AT_LOAD or (prequantized and quantization == "auto")
     if quantize and not (device.type == "cpu" and quant_kernels.available()):
         # GPUs, and CPUs without our kernels, compute on dequantized weights (same outputs);
         # only an explicit int8/int4 is worth a warning, auto (the default) means "where it can".
@@ -56,13 +65,12 @@ def load_model(
         )
         quantize = False
     if gguf:
-        gg = GGUFModel(path)
-        config, tensors, tokenizer = gg.config, gg.tensors(keep_quantized=quantize), gg.tokenizer()
-    else:
-        config, tensors, tokenizer = _hf_dir(path)
+        tensors = gg.tensors(keep_quantized=quantize)
+    elif packed:
+        tensors = packed_linears(tensors, packed, keep=quantize)
+    elif quantize:
+        tensors = _quantized_linears(tensors, model_class(config.arch).arch, AT_LOAD[quantization])
     net = model_class(config.arch)(config)
-    if quantize and not gguf:
-        tensors = _quantized_linears(tensors, net.arch, AT_LOAD[quantization])
     quantized = load_weights(net, tensors)
     net = net.to(device=device, dtype=dtype).eval()
     install_quantized(net, quantized, dtype)
@@ -100,7 +108,10 @@ def _quantized_linears(
         yield name, QuantWeight.quantize(t, fmt) if whole and name.endswith(linears) else t
 
 
-def _hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], Tokenizer]:
+def _hf_dir(
+    path: Path,
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], Tokenizer, PackedInt4 | None]:
+    """A HF folder's architecture, tensors (read lazily), tokenizer and AWQ/GPTQ packing."""
     raw = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_hf(raw)
     files = sorted(path.glob("*.safetensors"))
@@ -111,14 +122,16 @@ def _hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]
     if gen_file.exists():
         eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    return config, _safetensors(files), Tokenizer.from_hf_dir(path, eos_ids)
+    tokenizer = Tokenizer.from_hf_dir(path, eos_ids)
+    return config, _safetensors(files), tokenizer, scheme_of(raw, path)
 
 
 def _safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for f in tqdm(files, desc="loading safetensors", unit="file", disable=len(files) < 2):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():  # noqa: SIM118  (safe_open has no __iter__)
-                yield name, sf.get_tensor(name).float()
+                t = sf.get_tensor(name)  # AWQ/GPTQ codes are integers: they stay so
+                yield name, t.float() if t.is_floating_point() else t
 
 
 def load_tokenizer(model: str) -> Tokenizer:

@@ -1,5 +1,6 @@
-"""Quantized weights served as they are: GGUF block formats kept in memory (`QuantWeight`), and
-the linear and embedding layers that compute on them (`QuantLinear`, `QuantEmbedding`)."""
+"""Quantized weights served as they are: GGUF block formats kept in memory (`QuantWeight`, which
+AWQ/GPTQ checkpoints' packed linears become), and the linear and embedding layers that compute
+on them (`QuantLinear`, `QuantEmbedding`)."""
 
 from tutorserve.quant.layers import QuantEmbedding, QuantLinear, Scratch
 from tutorserve.quant.weight import QuantWeight
