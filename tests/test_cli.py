@@ -167,3 +167,21 @@ def test_engine_options_are_declared_once_and_round_trip_through_the_cli(monkeyp
     only = argparse.ArgumentParser()
     add_engine_args(only, only=("max_num_seqs",))
     assert engine_options(only.parse_args([])) == {"max_num_seqs": 64}
+
+
+def test_bench_roofline_measures_decode_against_the_bound_of_the_bytes_as_loaded(synth_llama):
+    r = run(
+        "bench", "roofline", "--model", synth_llama, "--dtype", "float32",
+        "--quantization", "int4", "--measure", "--batches", "1,3", "--steps", "2",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    # 266 kB: Q4_1 qkv, o and gate/up, float32 down, norms and LM head (test_quant.py counts it)
+    assert "quantization int4) a decode step reads 0.3 MB of weights" in r.stdout
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| ")]
+    assert [int(row[0]) for row in rows[1:]] == [1, 3]
+    for batch, context, bound, ms, tok_s, share in rows[1:]:
+        assert float(ms) > 0 and int(context) > 100
+        assert int(tok_s) == pytest.approx(int(batch) / (float(ms) / 1000), rel=0.05, abs=1)
+        assert float(share.strip(" %")) == pytest.approx(
+            100 * int(tok_s) / float(bound), rel=0.05, abs=1
+        )

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType, quants
 from torch import nn
 
 from tutorserve import LLM, SamplingParams
+from tutorserve.bench.roofline import Machine, decode_bound, weight_bytes
 from tutorserve.bench.teacher_forced import forward_logits, perplexity
 from tutorserve.kernels import quant
 from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch
@@ -290,3 +291,25 @@ def test_the_default_model_on_its_q4_1_blocks_matches_itself_dequantized():
         context = quantized.tokenizer.encode(prompt) + b.token_ids[:common]
         top2 = forward_logits(plain.engine.model, context)[-1].topk(2).values
         assert top2[0] - top2[1] < 0.1, (prompt, common, top2)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_the_roofline_reads_the_weights_as_loaded(synth_llama, synth_qwen2, quantization):
+    """Bytes a decode step reads, counted by hand from the shapes: float32 parameters at 4
+    bytes, Q4_1 blocks at 20 bytes per 32 weights; the input embedding only when tied (it is
+    then the LM head)."""
+    for folder in (synth_llama, synth_qwen2):
+        model = LLM(folder, dtype="float32", quantization=quantization).engine.model
+        cfg = model.config
+        h, i, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+        kv = cfg.num_kv_heads * cfg.head_dim
+        # whole blocks of 32 inputs: qkv, o, gate/up (down's 176 inputs are not)
+        blocked = h * (q + 2 * kv) + q * h + 2 * i * h
+        other = i * h + 2 * h + (q + 2 * kv) * model.arch.qkv_bias
+        per_layer = blocked * (20 / 32 if quantization == "int4" else 4) + other * 4
+        head = cfg.vocab_size * h * 4
+        assert weight_bytes(model) == cfg.num_layers * per_layer + head + h * 4
+        if quantization == "none":  # the config-only bound counts the same bytes, but biases
+            m = Machine(bandwidth_gbs=1.0, bf16_gflops=1e9)
+            bound = decode_bound(cfg, m, 1, 0, 4)
+            assert bound == pytest.approx(1e9 / weight_bytes(model), rel=0.005)

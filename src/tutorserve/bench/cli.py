@@ -171,8 +171,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     p = bench.add_parser("roofline", help="this machine's decode upper bound for a model")
     p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", **DTYPE_ARG)
+    add_engine_args(p, only=("quantization",))
     p.add_argument("--context", type=int, default=1500, help="KV tokens per sequence")
     p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument(
+        "--measure", action="store_true", help="time decode steps beside the bound (≤ 64)"
+    )
+    p.add_argument("--steps", type=int, default=8, help="decode steps timed per batch")
     p.set_defaults(func=cmd_roofline)
 
     p = bench.add_parser("profile-decode", help="torch.profiler table of decode steps")
@@ -619,19 +625,46 @@ def cmd_structured(a: argparse.Namespace) -> int:
 
 
 def cmd_roofline(a: argparse.Namespace) -> int:
-    from tutorserve.bench.roofline import decode_bound, measure_machine, num_params
-    from tutorserve.models.loader import load_model_config
+    from tutorserve import LLM
+    from tutorserve.bench.profile import seconds_per_step, start_decoding
+    from tutorserve.bench.roofline import decode_bound, measure_machine, num_params, weight_bytes
 
-    cfg = load_model_config(a.model)
+    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization)
+    model = llm.engine.model
+    cfg, weights = model.config, weight_bytes(model)
+    kv_value = model.attention_layers()[0].k_cache.element_size()
     m = measure_machine()
-    print(f"{a.model}: {num_params(cfg) / 1e6:.1f} M parameters, bf16 weights and KV")
+    print(
+        f"{a.model}: {num_params(cfg) / 1e6:.1f} M parameters; as loaded ({a.dtype}, "
+        f"quantization {a.quantization}) a decode step reads {weights / 1e6:.1f} MB of weights "
+        f"and {cfg.kv_bytes_per_token(kv_value)} bytes of KV per context token"
+    )
     print(
         f"machine: {_machine()}; read {m.bandwidth_gbs:.1f} GB/s, bf16 matmul "
         f"{m.bf16_gflops:.0f} GFLOP/s"
     )
-    print(f"| batch | decode bound tok/s at {a.context} context tokens |\n|---|---|")
-    for b in (int(x) for x in a.batches.split(",")):
-        print(f"| {b} | {decode_bound(cfg, m, b, a.context):.0f} |")
+    if not a.measure:
+        print(f"| batch | decode bound tok/s at {a.context} context tokens |\n|---|---|")
+        for b in (int(x) for x in a.batches.split(",")):
+            print(f"| {b} | {decode_bound(cfg, m, b, a.context, kv_value, weights):.0f} |")
+        return 0
+    print(
+        f"decode steps of the offline workload, {a.steps} timed at each batch\n"
+        "| batch | context tokens (mean) | bound tok/s | measured ms per step | measured tok/s "
+        "| of the bound |\n|---|---|---|---|---|---|"
+    )
+    for want in (int(x) for x in a.batches.split(",")):
+        batch = start_decoding(llm, want, a.steps + 4)
+        running = llm.engine.scheduler.running
+        context = round(sum(len(s.token_ids) for s in running) / batch)
+        step = seconds_per_step(llm, a.steps)
+        bound = decode_bound(cfg, m, batch, context, kv_value, weights)
+        print(
+            f"| {batch} | {context} | {bound:.0f} | {1000 * step:.1f} | {batch / step:.0f} "
+            f"| {batch / step / bound:.0%} |"
+        )
+        for s in list(running):
+            llm.engine.abort_request(s.request_id)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 Loads the offline workload (64 students of 8 courses, ~1,100-token prompts; `batch` of them),
 runs until every request is decoding, then profiles a few decode steps with `torch.profiler`.
+`bench roofline --measure` times decode steps the same way.
 """
 
 from __future__ import annotations
@@ -14,27 +15,36 @@ from tutorserve import LLM, SamplingParams
 from tutorserve.bench.workloads import edu_shared_prefix
 
 
+def start_decoding(llm: LLM, batch: int, max_tokens: int) -> int:
+    """Add `batch` requests of the workload and step until every one is decoding, then two
+    steps more (the decode-shaped workspace warms up); returns how many are running."""
+    engine, sched = llm.engine, llm.engine.scheduler
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, r in enumerate(edu_shared_prefix(llm.tokenizer, seed=1)[:batch]):
+        engine.add_request(f"p{i}", r.prompt_token_ids, params)
+    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    return len(sched.running)
+
+
+def seconds_per_step(llm: LLM, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    return (time.perf_counter() - start) / steps
+
+
 def profile_decode(
     model: str, dtype: str, steps: int, rows: int, batch: int, quantization: str
 ) -> str:
     llm = LLM(model, dtype=dtype, quantization=quantization)
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
-    for i, r in enumerate(edu_shared_prefix(llm.tokenizer, seed=1)[:batch]):
-        engine.add_request(f"p{i}", r.prompt_token_ids, params)
-    sched = engine.scheduler
-    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
-        engine.step()
-    for _ in range(2):  # warm up the decode-shaped workspace
-        engine.step()
-    batch = len(sched.running)
-    start = time.perf_counter()  # timed without the profiler, whose overhead is large here
-    for _ in range(steps):
-        engine.step()
-    per_step = (time.perf_counter() - start) / steps
+    batch = start_decoding(llm, batch, 2 * steps + 8)
+    per_step = seconds_per_step(llm, steps)  # without the profiler, whose overhead is large here
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            engine.step()
+            llm.engine.step()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
     return (
         f"decode batch {batch}: {1000 * per_step:.1f} ms per step unprofiled; "
