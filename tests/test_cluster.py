@@ -4,6 +4,7 @@ kill, the server runs in this process, which then drives Ray)."""
 
 import threading
 import time
+from collections import Counter
 
 import httpx
 import openai
@@ -60,6 +61,26 @@ def test_cache_aware_follows_the_longest_prefix_within_the_balance():
     assert first(policy.rank(cands(1, 0), RouteRequest([b"zz"]))) == B  # unknown: idlest
     policy.forget({A})
     assert first(policy.rank([Candidate(A, 0)], student)) == A
+
+
+def test_cache_aware_spreads_new_prompts_over_the_pools_within_the_balance():
+    """At low load both replicas are idle whenever a new course comes: by load alone every
+    course would go to the same one. Sent to the replica sent fewer blocks, eleven courses of
+    four blocks split six and five."""
+    policy = CacheAware(balance=4)
+    placed = Counter()
+    for c in range(11):
+        course = RouteRequest([f"c{c}-{i}".encode() for i in range(4)])
+        replica = first(policy.rank(cands(0, 0), course))
+        policy.routed(course, replica)
+        placed[replica] += 1
+    assert placed == {A: 6, B: 5}
+    assert first(policy.rank(cands(0, 3), RouteRequest([b"new"]))) == B  # fewer blocks
+    assert first(policy.rank(cands(0, 5), RouteRequest([b"new"]))) == A  # past the balance
+    policy.routed(RouteRequest([b"c0-0", b"c1-0", b"c2-0"]), B)  # three of A's 24 blocks move
+    assert first(policy.rank(cands(0, 0), RouteRequest([b"new"]))) == A  # 21 against 23
+    policy.forget({A})
+    assert first(policy.rank([Candidate(A, 0)], RouteRequest([b"new"]))) == A
 
 
 def test_an_adapter_request_prefers_a_replica_holding_the_adapter():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -110,8 +110,10 @@ class SessionAffinity(RoutingPolicy):
 class CacheAware(SessionAffinity):
     """Sessions stick; otherwise the replica that was sent the longest run of this prompt's
     leading blocks, unless its load exceeds the least loaded's by more than `balance` requests
-    (then the least loaded: a popular course must not pile onto one replica); with neither,
-    as `SessionAffinity`."""
+    (then the least loaded: a popular course must not pile onto one replica). A prompt no
+    replica was sent goes, within the balance, to the replica sent the fewest blocks (SGLang's
+    router picks the smallest tree): new courses spread over the pools instead of following
+    whichever replica is idle at that moment, which at low load may be the same one for all."""
 
     name = "cache-aware"
     max_blocks = 1 << 18
@@ -120,6 +122,7 @@ class CacheAware(SessionAffinity):
         super().__init__()
         self.balance = balance
         self._blocks: OrderedDict[bytes, str] = OrderedDict()
+        self._sent: Counter[str] = Counter()  # blocks in the index, by replica
 
     def prefix_owner(self, candidates: list[Candidate], request: RouteRequest) -> str | None:
         live = {c.replica for c in candidates}
@@ -135,21 +138,30 @@ class CacheAware(SessionAffinity):
         order = _by_adapter_then_load(candidates, request)
         best = self._sticky(candidates, request) or self.prefix_owner(candidates, request)
         load = {c.replica: c.load for c in candidates}
-        if best is not None and load[best] - min(load.values()) <= self.balance:
+        within = [r for r in order if load[r] - min(load.values()) <= self.balance]
+        if best is None and request.block_hashes:
+            held = {c.replica: request.lora is None or request.lora in c.adapters
+                    for c in candidates}  # fmt: skip
+            best = min(within, key=lambda r: (not held[r], self._sent[r], load[r]))
+        if best in within:
             order = [best, *(r for r in order if r != best)]
         return [[r] for r in order]
 
     def routed(self, request: RouteRequest, replica: str) -> None:
         super().routed(request, replica)
         for h in request.block_hashes:
+            if (before := self._blocks.get(h)) is not None:
+                self._sent[before] -= 1
             self._blocks[h] = replica
             self._blocks.move_to_end(h)
+            self._sent[replica] += 1
         while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
+            self._sent[self._blocks.popitem(last=False)[1]] -= 1
 
     def forget(self, live: set[str]) -> None:
         super().forget(live)
         self._blocks = OrderedDict((h, r) for h, r in self._blocks.items() if r in live)
+        self._sent = Counter(self._blocks.values())
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
