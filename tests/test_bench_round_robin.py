@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tutorserve.bench.client import scrape_prefix_cache
+from tutorserve.bench.client import scrape_counters
 from tutorserve.bench.offline import PEERS_DIR
 
 # Says which copy it is in every answer, counts a prefix cache of its own, streams five pieces
@@ -134,7 +134,10 @@ def test_round_robin_streams_sums_metrics_and_stops_its_copies(proxy):
 
     models = httpx.get(url + "/v1/models", timeout=5)
     assert models.status_code == 200 and models.json()["data"] == [{"id": "m"}]
-    assert scrape_prefix_cache(url) == (100.0 + 200.0, 30.0 + 40.0)
+    assert scrape_counters(url) == {
+        "prefix_cache_queries_total": 100.0 + 200.0,
+        "prefix_cache_hits_total": 30.0 + 40.0,
+    }
     (tmp_path / "sick-1").touch()  # one copy not ready: neither is the cluster
     assert httpx.get(url + "/health", timeout=5).status_code == 503
     assert httpx.get(url + "/v1/models", timeout=5).status_code == 503

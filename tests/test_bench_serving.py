@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 
 from tutorserve.bench.arrivals import arrival_times
+from tutorserve.bench.client import SERVER_COUNTERS
+from tutorserve.bench.report import speculation_lines
+from tutorserve.bench.serving import server_counts
 from tutorserve.bench.serving_metrics import SLO, RequestRecord, percentile, summarize
 from tutorserve.bench.workloads import serving_workload
 from tutorserve.models.loader import load_tokenizer
@@ -62,6 +65,23 @@ def test_history_cached_counts_what_a_turn_carries_over_from_the_previous_one():
     s = summarize(records, duration_s=1.0, slo=SLO())
     assert s["history_cached_token_rate"] == pytest.approx((544 + 300) / (550 + 640))
     assert "history_cached_token_rate" not in summarize(records[:1], duration_s=1.0, slo=SLO())
+
+
+def test_a_runs_server_counters_are_the_differences_of_two_scrapes():
+    keys = SERVER_COUNTERS  # queries, hits, drafted, accepted
+    before = dict(zip(keys, (100, 50, 10, 4), strict=True))
+    after = dict(zip(keys, (500, 350, 410, 104), strict=True))
+    counts = server_counts(before, after)
+    assert counts == {"server_prefix_cache_hit_rate": 0.75, "spec_draft_tokens": 400,
+                      "spec_accepted_tokens": 100, "spec_acceptance_rate": 0.25}  # fmt: skip
+    assert server_counts({}, after) == {}  # no /metrics before the run: nothing to say
+    plain = {k: v for k, v in after.items() if k.startswith("prefix")}
+    assert server_counts(plain, plain) == {}  # no queries in between, no drafts
+    run = {"config": {"system": "ours-ngram", "request_rate": 1.0}, "summary": counts}
+    assert speculation_lines([run, {"config": {"system": "x", "request_rate": 1.0},
+                                    "summary": {}}]) == [
+        "- ours-ngram at 1.0 req/s: 100 of 400 drafted tokens accepted (25%)"
+    ]  # fmt: skip
 
 
 def test_percentile_matches_numpy():

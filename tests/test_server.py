@@ -10,6 +10,7 @@ import pytest
 
 from conftest import start_server
 from tutorserve import LLM, SamplingParams
+from tutorserve.bench.client import scrape_counters
 
 NO_EOS = {"ignore_eos": True}
 COMPLETIONS_PATH = "/v1/completions"
@@ -414,11 +415,16 @@ def test_speculative_decoding_over_http_matches_and_is_counted(synth_llama):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want.text
         m = server.metrics()
-        assert m["tutorserve:spec_decode_num_draft_tokens_total"] > 0
+        drafted = m["tutorserve:spec_decode_num_draft_tokens_total"]
+        assert drafted > 0
         accepted = m["tutorserve:spec_decode_num_accepted_tokens_total"]
         assert accepted > 0
         per_pos = [v for k, v in m.items() if "accepted_tokens_per_pos_total{position=" in k]
         assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+        # what `bench serve` reads of them (vLLM's names end alike), per-position counts apart
+        scraped = scrape_counters(server.url)
+        assert scraped["spec_decode_num_draft_tokens_total"] == drafted
+        assert scraped["spec_decode_num_accepted_tokens_total"] == accepted
     finally:
         server.stop()
 

@@ -416,7 +416,12 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 
 def _write_report(results: list[dict], png: Path, title: str, command: str | None) -> str:
-    from tutorserve.bench.report import goodput_ratios, serving_plots, serving_table
+    from tutorserve.bench.report import (
+        goodput_ratios,
+        serving_plots,
+        serving_table,
+        speculation_lines,
+    )
 
     serving_plots(results, png, title)
     c = results[0]["config"]
@@ -428,6 +433,7 @@ def _write_report(results: list[dict], png: Path, title: str, command: str | Non
         serving_table(results),
         "",
         *goodput_ratios(results),
+        *speculation_lines(results),
         "",
         f"plots: {png}",
     ]

@@ -136,19 +136,27 @@ async def _send(
     return text
 
 
-def scrape_prefix_cache(base_url: str) -> tuple[float, float] | None:
-    """(queries, hits) in tokens from a server's Prometheus text, where it offers them (ours and
-    vLLM's both name them `*prefix_cache_queries_total` / `*prefix_cache_hits_total`)."""
+# Counters read from a server's Prometheus text before and after a run: ours and vLLM's both
+# end their names so (prefix cache in tokens; speculative decoding's drafted and accepted tokens).
+SERVER_COUNTERS = (
+    "prefix_cache_queries_total",
+    "prefix_cache_hits_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+)
+
+
+def scrape_counters(base_url: str) -> dict[str, float]:
+    """Each of `SERVER_COUNTERS` the server offers, summed over its labels (engines, replicas);
+    empty where it has no /metrics."""
     try:
         text = httpx.get(base_url + "/metrics", timeout=10).text
         samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
     except (httpx.HTTPError, ValueError):
-        return None
+        return {}
     found: dict[str, float] = {}
     for sample in samples:
-        for key in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
+        for key in SERVER_COUNTERS:
             if sample.name.endswith(key):
                 found[key] = found.get(key, 0.0) + sample.value
-    if len(found) < 2:
-        return None
-    return found["prefix_cache_queries_total"], found["prefix_cache_hits_total"]
+    return found

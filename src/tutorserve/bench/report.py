@@ -171,6 +171,17 @@ def goodput_ratios(results: list[dict], ours: str = "tutorserve") -> list[str]:
     return lines
 
 
+def speculation_lines(results: list[dict]) -> list[str]:
+    """Drafted and accepted tokens of each run whose server speculated (its /metrics)."""
+    return [
+        f"- {_label(r)} at {r['config']['request_rate']} req/s: "
+        f"{s['spec_accepted_tokens']:,.0f} of {s['spec_draft_tokens']:,.0f} drafted tokens "
+        f"accepted ({s['spec_acceptance_rate']:.0%})"
+        for r in results
+        if "spec_draft_tokens" in (s := r["summary"])
+    ]
+
+
 def roofline_lines(results: list[dict], bound: Callable[[float, int], float]) -> list[str]:
     """Each run's output rate as a share of the decode bound at its mean concurrency (Little's
     law: the sum of request latencies over the run's duration) and mean context."""

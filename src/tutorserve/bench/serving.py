@@ -9,7 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 from tutorserve.bench.arrivals import arrival_times
-from tutorserve.bench.client import ClientConfig, run_sessions, scrape_prefix_cache
+from tutorserve.bench.client import ClientConfig, run_sessions, scrape_counters
 from tutorserve.bench.serving_metrics import SLO, summarize
 from tutorserve.bench.workloads import serving_workload
 from tutorserve.models.tokenizer import Tokenizer
@@ -34,12 +34,11 @@ def run_benchmark(
     starts = arrival_times(
         len(sessions), request_rate, burstiness=burstiness, profile=arrival, seed=seed
     )
-    before = scrape_prefix_cache(cfg.base_url)
+    before = scrape_counters(cfg.base_url)
     records, duration = asyncio.run(run_sessions(cfg, sessions, starts, tok))
-    after = scrape_prefix_cache(cfg.base_url)
+    after = scrape_counters(cfg.base_url)
     summary = summarize(records, duration, slo) if duration > 0 else {"completed": 0}
-    if before and after and after[0] > before[0]:
-        summary["server_prefix_cache_hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
+    summary |= server_counts(before, after)
     return {
         "config": {
             "base_url": cfg.base_url,
@@ -58,3 +57,20 @@ def run_benchmark(
         "summary": summary,
         "records": [asdict(r) for r in records],
     }
+
+
+def server_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the server's counters say of the run between two scrapes: its prefix-cache hit
+    rate, and the tokens it drafted and accepted (speculative decoding), where it counts them."""
+    d = {k: after[k] - before[k] for k in after if k in before}
+    out = {}
+    if d.get("prefix_cache_queries_total", 0) > 0 and "prefix_cache_hits_total" in d:
+        out["server_prefix_cache_hit_rate"] = (
+            d["prefix_cache_hits_total"] / d["prefix_cache_queries_total"]
+        )
+    drafted = d.get("spec_decode_num_draft_tokens_total", 0)
+    if drafted > 0 and "spec_decode_num_accepted_tokens_total" in d:
+        accepted = d["spec_decode_num_accepted_tokens_total"]
+        out |= {"spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+                "spec_acceptance_rate": accepted / drafted}  # fmt: skip
+    return out
