@@ -632,7 +632,7 @@ def cmd_structured(a: argparse.Namespace) -> int:
 
 def cmd_roofline(a: argparse.Namespace) -> int:
     from tutorserve import LLM
-    from tutorserve.bench.profile import seconds_per_step, start_decoding
+    from tutorserve.bench.profile import seconds_per_step, start_decoding, stop_decoding
     from tutorserve.bench.roofline import decode_bound, measure_machine, num_params, weight_bytes
 
     llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization)
@@ -660,17 +660,14 @@ def cmd_roofline(a: argparse.Namespace) -> int:
         "| of the bound |\n|---|---|---|---|---|---|"
     )
     for want in (int(x) for x in a.batches.split(",")):
-        batch = start_decoding(llm, want, a.steps + 4)
-        running = llm.engine.scheduler.running
-        context = round(sum(len(s.token_ids) for s in running) / batch)
+        batch, context = start_decoding(llm, want, a.steps + 4)
         step = seconds_per_step(llm, a.steps)
         bound = decode_bound(cfg, m, batch, context, kv_value, weights)
         print(
             f"| {batch} | {context} | {bound:.0f} | {1000 * step:.1f} | {batch / step:.0f} "
             f"| {batch / step / bound:.0%} |"
         )
-        for s in list(running):
-            llm.engine.abort_request(s.request_id)
+        stop_decoding(llm)
     return 0
 
 

@@ -15,9 +15,10 @@ from tutorserve import LLM, SamplingParams
 from tutorserve.bench.workloads import edu_shared_prefix
 
 
-def start_decoding(llm: LLM, batch: int, max_tokens: int) -> int:
+def start_decoding(llm: LLM, batch: int, max_tokens: int) -> tuple[int, int]:
     """Add `batch` requests of the workload and step until every one is decoding, then two
-    steps more (the decode-shaped workspace warms up); returns how many are running."""
+    steps more (the decode-shaped workspace warms up); returns how many are running and their
+    mean context in tokens."""
     engine, sched = llm.engine, llm.engine.scheduler
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, r in enumerate(edu_shared_prefix(llm.tokenizer, seed=1)[:batch]):
@@ -26,7 +27,14 @@ def start_decoding(llm: LLM, batch: int, max_tokens: int) -> int:
         engine.step()
     for _ in range(2):
         engine.step()
-    return len(sched.running)
+    running = sched.running
+    return len(running), round(sum(len(s.token_ids) for s in running) / len(running))
+
+
+def stop_decoding(llm: LLM) -> None:
+    """Abort every running request (the next batch starts on an empty schedule)."""
+    for s in list(llm.engine.scheduler.running):
+        llm.engine.abort_request(s.request_id)
 
 
 def seconds_per_step(llm: LLM, steps: int) -> float:
@@ -40,7 +48,7 @@ def profile_decode(
     model: str, dtype: str, steps: int, rows: int, batch: int, quantization: str
 ) -> str:
     llm = LLM(model, dtype=dtype, quantization=quantization)
-    batch = start_decoding(llm, batch, 2 * steps + 8)
+    batch, _ = start_decoding(llm, batch, 2 * steps + 8)
     per_step = seconds_per_step(llm, steps)  # without the profiler, whose overhead is large here
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):

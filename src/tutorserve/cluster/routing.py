@@ -68,13 +68,16 @@ class LeastLoaded(RoutingPolicy):
         return [[r] for r in _by_load(candidates)]
 
 
+def _lacks_adapter(c: Candidate, request: RouteRequest) -> bool:
+    """The request names an adapter this replica does not hold in a slot (it would load it)."""
+    return request.lora is not None and request.lora not in c.adapters
+
+
 def _by_adapter_then_load(candidates: list[Candidate], request: RouteRequest) -> list[str]:
     """Least loaded first, but replicas holding the request's adapter in a slot before the rest
     (no adapter load on the way)."""
-    return [c.replica for c in sorted(
-        candidates, key=lambda c: (request.lora is not None and request.lora not in c.adapters,
-                                   c.load),
-    )]  # fmt: skip
+    return [c.replica for c in
+            sorted(candidates, key=lambda c: (_lacks_adapter(c, request), c.load))]  # fmt: skip
 
 
 class SessionAffinity(RoutingPolicy):
@@ -138,11 +141,11 @@ class CacheAware(SessionAffinity):
         order = _by_adapter_then_load(candidates, request)
         best = self._sticky(candidates, request) or self.prefix_owner(candidates, request)
         load = {c.replica: c.load for c in candidates}
-        within = [r for r in order if load[r] - min(load.values()) <= self.balance]
+        least = min(load.values())
+        within = [r for r in order if load[r] - least <= self.balance]
         if best is None and request.block_hashes:
-            held = {c.replica: request.lora is None or request.lora in c.adapters
-                    for c in candidates}  # fmt: skip
-            best = min(within, key=lambda r: (not held[r], self._sent[r], load[r]))
+            lacks = {c.replica: _lacks_adapter(c, request) for c in candidates}
+            best = min(within, key=lambda r: (lacks[r], self._sent[r], load[r]))
         if best in within:
             order = [best, *(r for r in order if r != best)]
         return [[r] for r in order]

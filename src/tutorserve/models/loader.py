@@ -23,7 +23,7 @@ from tutorserve.models.registry import resolve
 from tutorserve.models.tokenizer import Tokenizer
 from tutorserve.models.weights import install_quantized, load_weights
 from tutorserve.quant import QuantWeight
-from tutorserve.quant.awq_gptq import PackedInt4, packed_linears, scheme_of
+from tutorserve.quant.awq_gptq import packed_linears, scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ def load_model(
         gg = GGUFModel(path)
         config, tokenizer, packed = gg.config, gg.tokenizer(), None
     else:
-        config, tensors, tokenizer, packed = _hf_dir(path)
+        config, tensors, tokenizer = _hf_dir(path)
+        packed = scheme_of(json.loads((path / "config.json").read_text()), path)
     prequantized = gguf or packed is not None
     if prequantized and quantization in AT_LOAD:
         source = f"{packed.method.upper()} checkpoint" if packed else "GGUF file"
@@ -64,13 +65,14 @@ def load_model(
             device,
         )
         quantize = False
+    cls = model_class(config.arch)
     if gguf:
         tensors = gg.tensors(keep_quantized=quantize)
     elif packed:
         tensors = packed_linears(tensors, packed, keep=quantize)
     elif quantize:
-        tensors = _quantized_linears(tensors, model_class(config.arch).arch, AT_LOAD[quantization])
-    net = model_class(config.arch)(config)
+        tensors = _quantized_linears(tensors, cls.arch, AT_LOAD[quantization])
+    net = cls(config)
     quantized = load_weights(net, tensors)
     net = net.to(device=device, dtype=dtype).eval()
     install_quantized(net, quantized, dtype)
@@ -108,10 +110,8 @@ def _quantized_linears(
         yield name, QuantWeight.quantize(t, fmt) if whole and name.endswith(linears) else t
 
 
-def _hf_dir(
-    path: Path,
-) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], Tokenizer, PackedInt4 | None]:
-    """A HF folder's architecture, tensors (read lazily), tokenizer and AWQ/GPTQ packing."""
+def _hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], Tokenizer]:
+    """A HF folder's architecture, tensors (read lazily) and tokenizer."""
     raw = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_hf(raw)
     files = sorted(path.glob("*.safetensors"))
@@ -122,8 +122,7 @@ def _hf_dir(
     if gen_file.exists():
         eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    tokenizer = Tokenizer.from_hf_dir(path, eos_ids)
-    return config, _safetensors(files), tokenizer, scheme_of(raw, path)
+    return config, _safetensors(files), Tokenizer.from_hf_dir(path, eos_ids)
 
 
 def _safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
