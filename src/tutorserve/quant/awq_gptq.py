@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -68,29 +70,31 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True)
-class PackedInt4:
+class PackedInt4(ABC):
     """How a method lays out a linear (both keep scales [groups, out] and zeros packed along
     the outputs [groups, out / 8])."""
 
-    method: str  # awq | gptq
+    method: ClassVar[str]
     group_size: int  # inputs per group; -1: one group per output row
-    zero_offset: int  # GPTQ's original format stores each zero less one
+
+    @abstractmethod
+    def _qweight_columns(self, out: int) -> int: ...
+
+    @abstractmethod
+    def _codes_and_zeros(
+        self, qweight: torch.Tensor, qzeros: torch.Tensor, groups: int, out: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """codes [out, in] (0..15) and the zeros of w = scale · (code − zero), [groups, out]."""
 
     def unpack(self, parts: dict[str, torch.Tensor]) -> Int4Groups:
         qweight, scales = parts["qweight"], parts["scales"]
         groups, out = scales.shape
-        if qweight.shape[1] != (out // 8 if self.method == "awq" else out):
+        if qweight.shape[1] != self._qweight_columns(out):
             raise ValueError(
                 f"{self.method} qweight {tuple(qweight.shape)} does not match its scales "
                 f"{tuple(scales.shape)}"
             )
-        nib = _nibbles(qweight)
-        if self.method == "awq":  # qweight [in, out / 8]: words run along the outputs
-            codes = nib[..., _AWQ_NIBBLE].reshape(qweight.shape[0], out).T
-            zeros = _nibbles(parts["qzeros"])[..., _AWQ_NIBBLE].reshape(groups, out)
-        else:  # qweight [in / 8, out]: words run along the inputs
-            codes = nib.permute(0, 2, 1).reshape(-1, out).T
-            zeros = _nibbles(parts["qzeros"]).reshape(groups, out)
+        codes, zeros = self._codes_and_zeros(qweight, parts["qzeros"], groups, out)
         k = codes.shape[1]
         if "g_idx" in parts:
             group = parts["g_idx"].long()
@@ -98,8 +102,42 @@ class PackedInt4:
             group = torch.arange(k) // (k if self.group_size == -1 else self.group_size)
         if group.shape != (k,) or int(group.max()) >= groups:
             raise ValueError(f"{self.method} groups do not match {k} inputs and {groups} scales")
-        zeros = zeros.to(torch.int16) + self.zero_offset
         return Int4Groups(codes.contiguous(), scales.T.contiguous(), zeros.T.contiguous(), group)
+
+
+@dataclass(frozen=True, slots=True)
+class AWQPacking(PackedInt4):
+    """AutoAWQ's GEMM packing: qweight [in, out / 8], words run along the outputs."""
+
+    method: ClassVar[str] = "awq"
+
+    def _qweight_columns(self, out: int) -> int:
+        return out // 8
+
+    def _codes_and_zeros(
+        self, qweight: torch.Tensor, qzeros: torch.Tensor, groups: int, out: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = _nibbles(qweight)[..., _AWQ_NIBBLE].reshape(qweight.shape[0], out).T
+        return codes, _nibbles(qzeros)[..., _AWQ_NIBBLE].reshape(groups, out)
+
+
+@dataclass(frozen=True, slots=True)
+class GPTQPacking(PackedInt4):
+    """GPTQ: qweight [in / 8, out], words run along the inputs; the original format (v1)
+    stores each zero less one."""
+
+    method: ClassVar[str] = "gptq"
+    zero_offset: int = 0
+
+    def _qweight_columns(self, out: int) -> int:
+        return out
+
+    def _codes_and_zeros(
+        self, qweight: torch.Tensor, qzeros: torch.Tensor, groups: int, out: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = _nibbles(qweight).permute(0, 2, 1).reshape(-1, out).T
+        zeros = _nibbles(qzeros).reshape(groups, out).to(torch.int16) + self.zero_offset
+        return codes, zeros
 
 
 def scheme_of(raw_config: dict, folder: Path) -> PackedInt4 | None:
@@ -122,11 +160,11 @@ def scheme_of(raw_config: dict, folder: Path) -> PackedInt4 | None:
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm" or not qc.get("zero_point", True):
             raise ValueError(f"AWQ {version} packing is not supported; ours: gemm with zeros")
-        return PackedInt4("awq", group_size, 0)
+        return AWQPacking(group_size)
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ checkpoint format {fmt} is not supported; ours: gptq, gptq_v2")
-    return PackedInt4("gptq", group_size, 1 if fmt == "gptq" else 0)
+    return GPTQPacking(group_size, 1 if fmt == "gptq" else 0)
 
 
 def packed_linears(
