@@ -1,8 +1,8 @@
 """The package's dependency order, from its own imports: each package may import only the ones
-below it (`kernels → quant → layers → models → lora → spec → structured → engine → cluster →
-tutor → server → bench → cli`; the top-level `config` and `sampling_params` sit below them
-all), and no modules import each other, directly or round a longer loop — type-only imports
-included."""
+below it (`paging → kernels → quant → layers → models → lora → spec → structured → engine →
+cluster → tutor → server → bench → cli`; the top-level `config` and `sampling_params` sit
+below them all), and no modules import each other, directly or round a longer loop — type-only
+imports included."""
 
 import ast
 from pathlib import Path
@@ -13,8 +13,8 @@ import tutorserve
 from tutorserve.models.classes import MODEL_CLASSES, model_class
 
 ROOT = Path(tutorserve.__file__).parent
-ORDER = ["config", "sampling_params", "kernels", "quant", "layers", "models", "lora", "spec",
-         "structured", "engine", "cluster", "tutor", "voice", "server", "bench", "sim",
+ORDER = ["config", "sampling_params", "paging", "kernels", "quant", "layers", "models", "lora",
+         "spec", "structured", "engine", "cluster", "tutor", "voice", "server", "bench", "sim",
          "cli"]  # fmt: skip
 
 

@@ -8,9 +8,9 @@ from collections import Counter
 
 import pytest
 
-from tutorserve.engine.block_pool import BlockPool
-from tutorserve.engine.kv_cache_manager import KVCacheManager, hash_block
+from tutorserve.engine.kv_cache_manager import KVCacheManager
 from tutorserve.engine.sequence import Sequence
+from tutorserve.paging import BlockPool, hash_block
 from tutorserve.sampling_params import SamplingParams
 
 BS = 4

@@ -51,8 +51,8 @@ def test_disaggregation_options_are_checked_before_anything_starts(
 def test_the_write_barrier_waits_for_the_blocks_and_never_forever(
     synth_llama, tmp_path, monkeypatch
 ):
-    from tutorserve.engine.kv_cache_manager import extend_block_hashes
     from tutorserve.engine.kv_tiers.disk import DiskTier
+    from tutorserve.paging import extend_block_hashes
 
     llm = LLM(synth_llama, dtype="float32", kv_ram_bytes=1 << 20, kv_disk_bytes=1 << 30,
               kv_disk_dir=str(tmp_path), session_write_through=True)  # fmt: skip

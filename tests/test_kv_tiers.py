@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tutorserve import LLM, SamplingParams
-from tutorserve.engine.kv_cache_manager import hash_block
 from tutorserve.engine.kv_tiers.disk import DiskTier
 from tutorserve.engine.kv_tiers.lru import LruIndex
+from tutorserve.paging import hash_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 BS = 16

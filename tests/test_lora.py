@@ -14,9 +14,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from tutorserve import LLM, SamplingParams
-from tutorserve.engine.kv_cache_manager import hash_block
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
+from tutorserve.paging import hash_block
 from tutorserve.quant import QuantWeight
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

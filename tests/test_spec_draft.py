@@ -57,6 +57,13 @@ def _draft_llm(target: str, draft: str, **kw) -> LLM:
     return LLM(target, dtype="float32", speculative=f"draft:{draft}", **{**SPEC, **kw})
 
 
+def _drafter(model_dir: str, num_blocks: int) -> DraftProposer:
+    """A proposer over its own copy of the model (a proposer points the model's attention
+    layers at its cache, so two proposers must not share one)."""
+    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
+    return DraftProposer(model, model.config.vocab_size, num_blocks, 16, *F32)
+
+
 def _no_leaks(llm: LLM) -> None:
     pool, proposer = llm.engine.kv.pool, llm.engine.proposer
     pool.check_integrity()
@@ -64,7 +71,8 @@ def _no_leaks(llm: LLM) -> None:
     assert not llm.engine.has_unfinished()
     assert isinstance(proposer, DraftProposer)
     assert proposer.requests == {}
-    assert sorted(proposer.free) == list(range(proposer.num_blocks))  # each block once
+    proposer.pool.check_integrity()
+    assert proposer.num_free_blocks == proposer.pool.num_blocks
 
 
 @pytest.mark.parametrize(
@@ -95,8 +103,7 @@ def test_greedy_output_is_identical_with_a_draft_model(
 
 
 def test_draft_kv_rolls_back_to_the_accepted_tokens_and_stays_in_its_pool(synth_llama):
-    model, _ = load_model(synth_llama, torch.float32, torch.device("cpu"))
-    proposer = DraftProposer(model, model.config.vocab_size, 6, 16, *F32)
+    proposer = _drafter(synth_llama, 6)
     prompt = list(range(3, 33))  # 30 tokens
     drafts = proposer.propose("r", b"", prompt, 4)
     assert len(drafts) == 4
@@ -113,7 +120,7 @@ def test_draft_kv_rolls_back_to_the_accepted_tokens_and_stays_in_its_pool(synth_
     assert len(kv.table) == 3 and proposer.num_free_blocks == 3
     # A drafter's greedy tokens equal a fresh drafter's over the same tokens (rollback is
     # complete: no stale K/V of a rejected draft is read).
-    fresh = DraftProposer(model, model.config.vocab_size, 6, 16, *F32)
+    fresh = _drafter(synth_llama, 6)
     assert fresh.propose("x", b"", tokens, 4) == proposer.propose("r", b"", tokens, 4)
     # The pool is bounded: with too few blocks left, no drafts, and nothing taken.
     assert proposer.propose("other", b"", list(range(3, 70)), 4) == []
@@ -121,6 +128,47 @@ def test_draft_kv_rolls_back_to_the_accepted_tokens_and_stays_in_its_pool(synth_
     proposer.release("r")
     proposer.release("other")
     assert proposer.num_free_blocks == 6 and not proposer.requests
+
+
+def test_draft_kv_caches_shared_prefixes_and_drafts_as_if_computed(synth_llama):
+    """A second student of the course reads the course prompt's blocks the first one wrote
+    (its drafts equal a fresh drafter's), after the first left too; an unrelated prompt
+    evicts them when the pool needs its blocks, and every block comes back."""
+    proposer = _drafter(synth_llama, 8)
+    course = list(range(3, 43))  # 40 tokens: two full blocks and a part
+    first = [*course, 50, 51]
+    proposer.propose("a", b"", first, 3)
+    assert proposer.cached_tokens == 0
+    second = [*course, 60, 61, 62]
+
+    def fresh(tokens: list[int]) -> list[int]:
+        return _drafter(synth_llama, 8).propose("x", b"", tokens, 3)
+
+    assert proposer.propose("b", b"", second, 3) == fresh(second)
+    assert proposer.cached_tokens == 32  # the two full blocks; the third differs
+    a, b = proposer.requests["a"], proposer.requests["b"]
+    assert a.table[:2] == b.table[:2] and a.table[2] != b.table[2]
+    assert proposer.num_free_blocks == 8 - 4  # three for "a", one more for "b"
+    proposer.release("a")
+    proposer.release("b")
+    assert proposer.num_free_blocks == 8
+    # Both gone: the blocks stay cached while nobody needs them.
+    third = [*course, 70]
+    assert proposer.propose("c", b"", third, 3) == fresh(third)
+    assert proposer.cached_tokens == 64
+    # Every token in cached blocks: the last block is computed again, for the last logits.
+    exact = course[:32]
+    assert proposer.propose("e", b"", exact, 3) == fresh(exact)
+    assert proposer.cached_tokens == 64 + 16
+    proposer.release("c")
+    proposer.release("e")
+    # A prompt that needs every block takes the cached ones too, and drafts right.
+    other = list(range(100, 220))
+    assert proposer.propose("d", b"", other, 3) == fresh(other)
+    assert proposer.pool.lookup(a.hashes[0]) is None
+    proposer.release("d")
+    proposer.pool.check_integrity()
+    assert proposer.num_free_blocks == 8 and not proposer.requests
 
 
 def test_a_gguf_draft_kept_in_its_quantized_blocks():
@@ -139,8 +187,7 @@ def test_a_gguf_draft_kept_in_its_quantized_blocks():
 def test_drafts_of_a_batch_equal_each_rows_own(synth_llama, mixed_prompts):
     """Rows drafted together (decode rows and prompt catch-ups in one forward, rows dropping
     out at their own k) get the drafts each gets alone."""
-    model, _ = load_model(synth_llama, torch.float32, torch.device("cpu"))
-    together, alone = (DraftProposer(model, 512, 64, 16, *F32) for _ in range(2))
+    together, alone = (_drafter(synth_llama, 64) for _ in range(2))
     rows = [(f"r{i}", b"", p, 1 + i % 4) for i, p in enumerate(mixed_prompts[:6])]
     for _ in range(3):  # the first round catches up on prompts; later ones decode
         got = together.propose_batch(rows)
@@ -157,7 +204,7 @@ def test_the_draft_kv_comes_out_of_the_engines_kv_budget(synth_llama, drafts):
     per_token = [load_model_config(m).kv_bytes_per_token(4) for m in models]
     blocks = llm.engine.kv.pool.num_blocks
     assert blocks == budget // (sum(per_token) * 16) < plain.engine.kv.pool.num_blocks
-    assert llm.engine.proposer.num_blocks == blocks
+    assert llm.engine.proposer.pool.num_blocks == blocks
     both = llm.engine.runner.k_cache.numel() * 8 + llm.engine.proposer.k_cache.numel() * 8
     assert both <= budget
 

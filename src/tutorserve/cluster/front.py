@@ -31,10 +31,10 @@ from tutorserve.engine.async_engine import (
     UserCaps,
 )
 from tutorserve.engine.engine import check_prompt
-from tutorserve.engine.kv_cache_manager import extend_block_hashes
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.engine.stats import EngineStats
 from tutorserve.models.tokenizer import Tokenizer
+from tutorserve.paging import extend_block_hashes
 from tutorserve.sampling_params import SamplingParams, StructuredOutputs
 from tutorserve.structured import GrammarCompiler
 

@@ -15,9 +15,9 @@ from tutorserve.cluster.adapters import registered_adapters
 from tutorserve.config import EngineConfig
 from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.engine.engine import LLMEngine
-from tutorserve.engine.kv_cache_manager import extend_block_hashes
 from tutorserve.engine.outputs import RequestOutput
 from tutorserve.engine.stats import EngineStats
+from tutorserve.paging import extend_block_hashes
 from tutorserve.sampling_params import SamplingParams
 
 _UNBOUNDED = 1 << 30

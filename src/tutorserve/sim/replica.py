@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 from tutorserve.bench.step_cost import StepCostModel
 from tutorserve.config import EngineConfig
-from tutorserve.engine.kv_cache_manager import KVCacheManager, extend_block_hashes
+from tutorserve.engine.kv_cache_manager import KVCacheManager
 from tutorserve.engine.scheduler import Scheduler
 from tutorserve.engine.sequence import Sequence
+from tutorserve.paging import extend_block_hashes
 from tutorserve.sampling_params import SamplingParams
 from tutorserve.sim.tiers import SimRamTier
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from tutorserve.bench.serving_metrics import SLO, RequestRecord, summarize
 from tutorserve.cluster.routing import Candidate, RouteRequest, RoutingPolicy
-from tutorserve.engine.kv_cache_manager import extend_block_hashes
+from tutorserve.paging import extend_block_hashes
 from tutorserve.sim.replica import SimReplica, SimRequest
 
 

@@ -15,6 +15,11 @@ pool is not shared with the target's because the target's blocks are admitted, p
 prefix-cached by the scheduler, while the draft's may be dropped at any time at no cost to
 exactness. vLLM and SGLang instead give the draft the target's block tables; that saves the
 second allocator but ties the draft to the scheduler's accounting.
+
+The pool caches prefixes as the target's does (`paging.BlockPool`, full blocks of a request's
+own tokens keyed by their chained hashes): a class's students share the course prompt, which
+the draft then computes once, not once per student. The draft has no adapters (it drafts for
+every adapter as the base model), so its blocks carry no salt.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from tutorserve.models.config import ModelConfig
 from tutorserve.models.llama import LlamaForCausalLM
 from tutorserve.models.loader import load_model
 from tutorserve.models.tokenizer import Tokenizer
+from tutorserve.paging import BlockPool, extend_block_hashes
 from tutorserve.spec.proposer import Proposer
 
 log = logging.getLogger(__name__)
@@ -40,11 +46,14 @@ _CHUNK = 512  # tokens per forward when the draft catches up on a prompt
 @dataclass(slots=True)
 class _DraftKV:
     """One request's K/V in the draft's cache: `tokens[i]` is written at position i; the first
-    `fixed` of them are the request's own (never rolled back), the rest are drafts."""
+    `fixed` of them are the request's own (never rolled back), the rest are drafts. `hashes`:
+    those of the full blocks of its own tokens, the first `published` of them in the cache."""
 
     tokens: list[int] = field(default_factory=list)
     fixed: int = 0
     table: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    published: int = 0
 
 
 class DraftProposer(Proposer):
@@ -69,9 +78,9 @@ class DraftProposer(Proposer):
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.backend = select_backend(self.device, self.dtype, kv_dtype, cfg.head_dim)
-        self.num_blocks = num_blocks
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pop() is O(1)
+        self.pool = BlockPool(num_blocks)
         self.requests: dict[str, _DraftKV] = {}
+        self.cached_tokens = 0  # prompt tokens found in the cache, not computed again
         self.workspace: dict[str, torch.Tensor] = {}
         log.info(
             "draft KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -101,7 +110,7 @@ class DraftProposer(Proposer):
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return self.pool.num_free
 
     def propose(self, request: str, scope: bytes, tokens: list[int], k: int) -> list[int]:
         return self.propose_batch([(request, scope, tokens, k)])[0]
@@ -116,6 +125,8 @@ class DraftProposer(Proposer):
             if k <= 0:
                 continue
             kv = self._rollback(request, tokens)
+            if not kv.table:
+                self._match_prefix(kv, tokens)
             # Positions up to len(tokens) + k - 2 are written: the last draft's K/V is not read.
             if not self._reserve(kv, len(tokens) + k - 1):
                 # No drafts this step (speculation is optional); the blocks come back as
@@ -130,6 +141,8 @@ class DraftProposer(Proposer):
         if not live:
             return drafts
         picks = self._greedy(self._forward(catch_up))
+        for _, kv, _ in live:
+            self._publish(kv)
         while live:
             for (i, _, _), pick in zip(live, picks, strict=True):
                 drafts[i].append(pick)
@@ -141,20 +154,42 @@ class DraftProposer(Proposer):
     def release(self, request: str) -> None:
         kv = self.requests.pop(request, None)
         if kv is not None:
-            self.free.extend(reversed(kv.table))
+            self.pool.release(list(reversed(kv.table)))
+
+    def _match_prefix(self, kv: _DraftKV, tokens: list[int]) -> None:
+        """Start a request with no KV from the cached blocks of its leading tokens (short of
+        the last, whose logits the drafting needs)."""
+        extend_block_hashes(kv.hashes, tokens, self.block_size)
+        for block_hash in kv.hashes[: (len(tokens) - 1) // self.block_size]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            kv.table.append(block_id)
+        self.pool.touch(kv.table)
+        kv.published = len(kv.table)
+        kv.fixed = len(kv.table) * self.block_size
+        kv.tokens = tokens[: kv.fixed]
+        self.cached_tokens += kv.fixed
+
+    def _publish(self, kv: _DraftKV) -> None:
+        """Put the request's full blocks of its own tokens, now written, in the cache."""
+        extend_block_hashes(kv.hashes, kv.tokens[: kv.fixed], self.block_size)
+        for i in range(kv.published, len(kv.hashes)):
+            self.pool.register(kv.table[i], kv.hashes[i])
+        kv.published = len(kv.hashes)
 
     def _reserve(self, kv: _DraftKV, num_tokens: int) -> bool:
         """Blocks for `num_tokens` positions, no more: ones past them (rejected drafts') go
         back. False, changing nothing, when the pool cannot give enough."""
         need = -(-num_tokens // self.block_size)
         extra = need - len(kv.table)
-        if extra > len(self.free):
+        if extra > self.pool.num_free:
             return False
-        if extra < 0:
-            self.free.extend(reversed(kv.table[need:]))
+        if extra < 0:  # blocks of drafts only: those of the request's own tokens come first
+            self.pool.release(list(reversed(kv.table[need:])))
             del kv.table[need:]
-        for _ in range(extra):
-            kv.table.append(self.free.pop())
+        else:
+            kv.table += self.pool.allocate(extra)
         return True
 
     def _rollback(self, request: str, tokens: list[int]) -> _DraftKV:
