@@ -394,6 +394,13 @@ def test_metrics_count_one_request(live_server, offline):
     assert delta("tutorserve:generation_tokens_total") == 5
     assert delta("tutorserve:prefix_cache_queries_total") == len(ids)
     assert delta("tutorserve:request_success_total{finished_reason=length}") == 1
+    # One step computes the prompt and samples the first token; four more decode the rest.
+    assert delta("tutorserve:engine_steps_total") == 5
+    step_s, e2e_s = (
+        delta(f"tutorserve:{n}")
+        for n in ("engine_step_seconds_total", "e2e_request_latency_seconds_sum")
+    )
+    assert 0 < step_s < e2e_s
     for hist in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
         assert delta(f"tutorserve:{hist}_seconds_count") == 1
         assert delta(f"tutorserve:{hist}_seconds_sum") > 0

@@ -116,6 +116,7 @@ class LLMEngine:
         self._streams: dict[str, _Stream] = {}
         # Set to a list to record one StepRecord per step (benchmarks, profiling).
         self.step_log: list[StepRecord] | None = None
+        self.num_steps, self.step_seconds = 0, 0.0
 
     def _lora_manager(self) -> LoRAManager | None:
         cfg = self.config
@@ -182,6 +183,8 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             tiers=() if self.store is None else tuple(t.snapshot() for t in self.store.tiers),
             spec=self.spec.copy(),
+            num_steps=self.num_steps,
+            step_seconds=self.step_seconds,
         )
 
     def on_idle(self) -> None:
@@ -308,13 +311,16 @@ class LLMEngine:
         outputs += failed
         if self.proposer is not None:
             self._propose()
+        elapsed = time.perf_counter() - start
+        self.num_steps += 1
+        self.step_seconds += elapsed
         if self.step_log is not None:
             self.step_log.append(
                 StepRecord(
                     num_seqs=len(batch.seqs),
                     num_tokens=batch.total_tokens,
                     all_decode=batch.total_tokens == len(batch.seqs),
-                    step_s=time.perf_counter() - start,
+                    step_s=elapsed,
                     forward_s=self.runner.last_forward_s,
                     num_running=running,
                     num_used_blocks=used_blocks,

@@ -66,6 +66,10 @@ class EngineStats:
     num_preemptions: int
     tiers: tuple[TierSnapshot, ...]  # empty without KV tiers
     spec: SpecCounters = field(default_factory=SpecCounters)  # a copy
+    # Steps that computed something, and their wall time (schedule, forward, sampling, outputs):
+    # the engine's own time per step under serving, beside what a step costs alone.
+    num_steps: int = 0
+    step_seconds: float = 0.0
 
     @property
     def kv_blocks_empty(self) -> int:

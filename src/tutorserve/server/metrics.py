@@ -73,6 +73,12 @@ class _EngineStateCollector(Collector):
         preempted = self._family(
             counter, "num_preemptions", "Requests preempted to free KV blocks."
         )
+        steps = self._family(counter, "engine_steps", "Engine steps that computed tokens.")
+        step_seconds = self._family(
+            counter,
+            "engine_step_seconds",
+            "Wall time of those steps (schedule, forward, sampling, outputs).",
+        )
         spec = {
             name: self._family(counter, "spec_decode_" + name, "Speculative decoding: " + doc)
             for name, doc in (
@@ -98,11 +104,14 @@ class _EngineStateCollector(Collector):
             queries.add_metric(k, s.prefix_query_tokens)
             hits.add_metric(k, s.prefix_hit_tokens)
             preempted.add_metric(k, s.num_preemptions)
+            steps.add_metric(k, s.num_steps)
+            step_seconds.add_metric(k, s.step_seconds)
             for name, family in spec.items():
                 family.add_metric(k, getattr(s.spec, name))
             for i, n in enumerate(s.spec.accepted_per_position):
                 per_pos.add_metric([*k, str(i)], n)
-        yield from (running, waiting, blocks, usage, queries, hits, preempted, *spec.values())
+        yield from (running, waiting, blocks, usage, queries, hits, preempted, steps,
+                    step_seconds, *spec.values())  # fmt: skip
         yield per_pos
         tiers = {key: s.tiers for key, s in snaps.items() if s.tiers}
         if tiers:

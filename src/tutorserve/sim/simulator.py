@@ -79,6 +79,8 @@ class SimResult:
                                      for r in self.replicas),
             "busy_fraction": (sum(r.busy_seconds for r in self.replicas)
                               / len(self.replicas) / duration if duration else math.nan),
+            "mean_step_ms": (1000 * sum(r.busy_seconds for r in self.replicas) / steps
+                             if (steps := sum(r.num_steps for r in self.replicas)) else math.nan),
             "rejected": self.rejected,
         }  # fmt: skip
         return out
