@@ -58,7 +58,7 @@ def test_suffix_proposer_drafts_one_students_reply_from_anothers():
     assert suffix.propose("b", other, [1, 2, 3, 1, 2], 4) == [3, 1, 2]
     assert suffix.propose("a", course, prompt_a, 4) == []  # never its own output
     for _ in range(20):
-        suffix.feedback(course, 4, 0)  # nothing accepted: drafts shrink to two tokens
+        suffix.feedback("b", course, 4, 0)  # nothing accepted: drafts shrink to two tokens
     assert suffix.propose("b", course, prompt_b, 8) == reply_a[:2]
 
 

@@ -171,6 +171,21 @@ def test_draft_kv_caches_shared_prefixes_and_drafts_as_if_computed(synth_llama):
     assert proposer.num_free_blocks == 8 and not proposer.requests
 
 
+def test_a_requests_draft_length_follows_what_the_model_accepts(synth_llama):
+    """Drafts as long as the request's recent drafts were accepted, plus two (suffix's rule):
+    rejected ones shrink the next to two tokens, accepted ones grow it back; per request."""
+    proposer = _drafter(synth_llama, 16)
+    prompt = list(range(3, 33))
+    assert len(proposer.propose("r", b"", prompt, 4)) == 4
+    for _ in range(20):
+        proposer.feedback("r", b"", 4, 0)
+    assert len(proposer.propose("r", b"", prompt, 4)) == 2
+    assert len(proposer.propose("s", b"", prompt, 4)) == 4  # another request: its own average
+    for _ in range(20):
+        proposer.feedback("r", b"", 4, 4)
+    assert len(proposer.propose("r", b"", prompt, 4)) == 4
+
+
 def test_a_gguf_draft_kept_in_its_quantized_blocks():
     """SmolLM2 drafting for itself from its GGUF blocks (its parameters are bytes, its
     activations float32): same greedy tokens as without drafts."""

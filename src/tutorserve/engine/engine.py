@@ -345,7 +345,7 @@ class LLMEngine:
                                   seq.num_prompt_tokens)  # fmt: skip
         if drafts:
             self.spec.record(drafts, len(tokens) - 1)
-            self.proposer.feedback(seq.spec_scope, drafts, len(tokens) - 1)
+            self.proposer.feedback(seq.request_id, seq.spec_scope, drafts, len(tokens) - 1)
             if not seq.is_finished:
                 seq.num_computed_tokens += len(tokens) - 1
                 self.kv.cache_computed_blocks(seq)

@@ -37,7 +37,7 @@ from tutorserve.models.llama import LlamaForCausalLM
 from tutorserve.models.loader import load_model
 from tutorserve.models.tokenizer import Tokenizer
 from tutorserve.paging import BlockPool, extend_block_hashes
-from tutorserve.spec.proposer import Proposer
+from tutorserve.spec.proposer import AcceptanceAverage, Proposer
 
 log = logging.getLogger(__name__)
 _CHUNK = 512  # tokens per forward when the draft catches up on a prompt
@@ -47,13 +47,15 @@ _CHUNK = 512  # tokens per forward when the draft catches up on a prompt
 class _DraftKV:
     """One request's K/V in the draft's cache: `tokens[i]` is written at position i; the first
     `fixed` of them are the request's own (never rolled back), the rest are drafts. `hashes`:
-    those of the full blocks of its own tokens, the first `published` of them in the cache."""
+    those of the full blocks of its own tokens, the first `published` of them in the cache;
+    `accepted`: how many of its drafts the model has been keeping, which bounds the next."""
 
     tokens: list[int] = field(default_factory=list)
     fixed: int = 0
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     published: int = 0
+    accepted: AcceptanceAverage = field(default_factory=AcceptanceAverage)
 
 
 class DraftProposer(Proposer):
@@ -125,6 +127,7 @@ class DraftProposer(Proposer):
             if k <= 0:
                 continue
             kv = self._rollback(request, tokens)
+            k = kv.accepted.draft_length(k)
             if not kv.table:
                 self._match_prefix(kv, tokens)
             # Positions up to len(tokens) + k - 2 are written: the last draft's K/V is not read.
@@ -150,6 +153,11 @@ class DraftProposer(Proposer):
             if live:
                 picks = self._greedy(self._forward([(kv, drafts[i][-1:]) for i, kv, _ in live]))
         return drafts
+
+    def feedback(self, request: str, scope: bytes, drafted: int, accepted: int) -> None:
+        kv = self.requests.get(request)
+        if kv is not None:
+            kv.accepted.record(accepted)
 
     def release(self, request: str) -> None:
         kv = self.requests.pop(request, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from array import array
+from dataclasses import dataclass
 
 # Unnamed requests whose prompts share their first this many tokens (one course's system prompt
 # and the start of its material) share a scope.
@@ -20,6 +21,20 @@ def scope_key(prompt: list[int], name: str | None, salt: bytes = b"") -> bytes:
     else:
         h.update(b"name:" + name.encode())
     return h.digest()
+
+
+@dataclass(slots=True)
+class AcceptanceAverage:
+    """Tokens accepted per draft, as a moving average; drafts are kept as long as that, plus two
+    (suffix decoding's rule: drafting past what the model keeps costs query rows for nothing)."""
+
+    accepted: float = 2.0
+
+    def record(self, accepted: int) -> None:
+        self.accepted = 0.8 * self.accepted + 0.2 * accepted
+
+    def draft_length(self, k: int) -> int:
+        return min(k, int(self.accepted) + 2)
 
 
 class Proposer(ABC):
@@ -42,7 +57,9 @@ class Proposer(ABC):
     ) -> None:
         """The request's tokens after a step that gave it new ones (output from `num_prompt`)."""
 
-    def feedback(self, scope: bytes, drafted: int, accepted: int) -> None:  # noqa: B027
+    def feedback(  # noqa: B027
+        self, request: str, scope: bytes, drafted: int, accepted: int
+    ) -> None:
         """How many of a request's drafted tokens the model kept."""
 
     def release(self, request: str) -> None:  # noqa: B027

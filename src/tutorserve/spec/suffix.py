@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from itertools import count
 
 from tutorserve.spec.ngram import latest_match
-from tutorserve.spec.proposer import Proposer
+from tutorserve.spec.proposer import AcceptanceAverage, Proposer
 
 _ENTRIES = 16  # occurrences remembered per n-gram (the latest)
 _END_BITS = 32  # an occurrence is (text id << _END_BITS) | end position
@@ -56,7 +56,7 @@ class _Scope:
         self.by_ident: dict[int, _Text] = {}
         self.index: dict[int, bytes] = {}
         self.num_tokens = 0
-        self.accepted = 2.0  # moving average of tokens accepted per draft
+        self.accepted = AcceptanceAverage()
         self._idents = count()
 
     def _grams(self, text: _Text, lo: int, hi: int, ns: range) -> Iterator[tuple[int, int]]:
@@ -138,8 +138,7 @@ class SuffixProposer(Proposer):
     def propose(self, request: str, scope: bytes, tokens: list[int], k: int) -> list[int]:
         s = self._scopes.get(scope)
         if s is not None and s.texts:
-            # Drafts as long as this scope's drafts have recently been accepted, plus two.
-            k = min(k, int(s.accepted) + 2)
+            k = s.accepted.draft_length(k)
         if k <= 0:
             return []
         for n in reversed(self.ns):
@@ -151,7 +150,7 @@ class SuffixProposer(Proposer):
                 return drafts
         return []
 
-    def feedback(self, scope: bytes, drafted: int, accepted: int) -> None:
+    def feedback(self, request: str, scope: bytes, drafted: int, accepted: int) -> None:
         s = self._scopes.get(scope)
         if s is not None:
-            s.accepted = 0.8 * s.accepted + 0.2 * accepted
+            s.accepted.record(accepted)
