@@ -2,27 +2,31 @@
 
     .venv/bin/python bench/api_ttft.py
 
-The first 9 prompts of `edu-shared-prefix` (8 courses: 8 prompts computed whole, and one whose
-course prompt is cached), sent one at a time as token ids, after one warm-up request: through
-`LLM.generate` (max_tokens 1), then through `tutorserve serve` (`/v1/completions`, streamed,
-to its first text chunk). Says whether the serving path adds time to a request by itself, or
-only under load (docs/benchmarks/planner.md).
+The first 10 prompts of `edu-shared-prefix`, sent one at a time as token ids: the first (a
+warm-up), 7 more of other courses (computed whole), then 2 whose course prompt is cached; through
+`LLM.generate` (max_tokens 1), then through `tutorserve serve` as `bench compare` starts its
+`tutorserve-notiers` system (`/v1/completions`, streamed, to its first text chunk). Says whether
+the serving path adds time to a request by itself, or only under load
+(docs/benchmarks/planner.md).
 """
 
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
 from tutorserve import LLM, SamplingParams
+from tutorserve.bench.systems import ModelFiles, RunningServer, ServeSpec, tutorserve_server
 from tutorserve.bench.workloads import edu_shared_prefix
 from tutorserve.models.loader import load_tokenizer
+from tutorserve.models.registry import resolve
 
 MODEL, PORT = "smollm2-135m-instruct", 8123
+_WHOLE = 7  # after the warm-up, prompts of courses not seen yet (8 courses in the workload)
 
 
 def _engine_ttfts(prompts: list[list[int]]) -> list[float]:
@@ -48,21 +52,11 @@ def _api_ttft(ids: list[int]) -> float:
 
 
 def _api_ttfts(prompts: list[list[int]]) -> list[float]:
-    argv = [sys.executable, "-m", "tutorserve.cli", "serve", "--port", str(PORT),
-            "--kv-ram-gb", "0", "--kv-disk-gb", "0"]  # fmt: skip
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(180):
-            try:
-                if httpx.get(f"http://127.0.0.1:{PORT}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
+    files = ModelFiles(MODEL, str(resolve(MODEL)), hf_dir="")  # only peers read the HF export
+    system = tutorserve_server("tutorserve-notiers", ServeSpec(files, PORT, 32), tiers=False)
+    log = Path(tempfile.mkdtemp(prefix="api-ttft-")) / "server.log"
+    with RunningServer(system, PORT, log):
         return [_api_ttft(ids) for ids in prompts]
-    finally:
-        server.terminate()
-        server.wait()
 
 
 def main() -> None:
@@ -70,8 +64,9 @@ def main() -> None:
     for name, measure in (("engine alone", _engine_ttfts), ("HTTP API", _api_ttfts)):
         ttfts = measure(prompts)
         ms = [round(1000 * t) for t in ttfts[1:]]  # the first is the warm-up
-        print(f"{name}: TTFT ms {ms}; median of the computed {statistics.median(ms[:-1])}, "
-              f"cached {ms[-1]}")  # fmt: skip
+        whole, cached = ms[:_WHOLE], ms[_WHOLE:]
+        print(f"{name}: TTFT ms {ms}; median of the whole prompts {statistics.median(whole)}, "
+              f"of the cached {statistics.median(cached)}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -42,13 +42,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         self._extend_hashes(seq)
-        hits = []
-        for block_hash in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return self.pool.cached_prefix(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size])
 
     def match_tiers(self, seq: Sequence, num_pool_hits: int) -> TierMatch:
         """Blocks in the KV tiers continuing the `num_pool_hits` blocks found in the pool."""

@@ -63,6 +63,16 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
 
+    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The blocks of the longest leading run of `hashes` in the cache (a prefix match)."""
+        hits = []
+        for block_hash in hashes:
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
     def touch(self, block_ids: list[int]) -> None:
         """Take a reference on cached blocks (a prefix-cache hit)."""
         for block_id in block_ids:

@@ -168,11 +168,7 @@ class DraftProposer(Proposer):
         """Start a request with no KV from the cached blocks of its leading tokens (short of
         the last, whose logits the drafting needs)."""
         extend_block_hashes(kv.hashes, tokens, self.block_size)
-        for block_hash in kv.hashes[: (len(tokens) - 1) // self.block_size]:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            kv.table.append(block_id)
+        kv.table = self.pool.cached_prefix(kv.hashes[: (len(tokens) - 1) // self.block_size])
         self.pool.touch(kv.table)
         kv.published = len(kv.table)
         kv.fixed = len(kv.table) * self.block_size
