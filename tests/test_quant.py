@@ -15,7 +15,7 @@ from tutorserve.bench.roofline import Machine, decode_bound, weight_bytes
 from tutorserve.bench.teacher_forced import forward_logits, perplexity
 from tutorserve.kernels import quant
 from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch
-from tutorserve.quant.layers import GEMV_ROWS, GEMV_ROWS_DEFAULT
+from tutorserve.quant.layers import GEMV_ROWS, GEMV_ROWS_DEFAULT, dequantizing_rows
 
 REPACKED = list(quant.REPACKED.values())
 FORMATS = [fmt for fmt in quant.FORMATS if fmt not in REPACKED]  # GGUF's own
@@ -192,6 +192,28 @@ def test_the_shared_buffer_is_dequantized_again_only_after_another_layer_took_it
         got = layer(x.to(dtype)).double()
         assert (got - want).abs().max() <= 3e-2 * want.abs().max()
         assert len(calls) == dequantized
+
+
+def test_the_rows_a_model_dequantizes_above_are_those_of_most_of_its_weight(monkeypatch):
+    """The step-cost model's dequantizing steps (bench/step_cost.py): a step of more tokens
+    than `dequantizing_rows` dequantizes the bulk of the weight, one of as many does not."""
+    big = QuantLinear([QuantWeight(torch.from_numpy(random_blocks("Q4_1", 64, 256)), "Q4_1",
+                                   256)], None, Scratch())  # fmt: skip
+    small = QuantLinear([QuantWeight(torch.from_numpy(random_blocks("Q8_0", 16, 64)), "Q8_0",
+                                     64)], None, Scratch())  # fmt: skip
+    assert dequantizing_rows(nn.Sequential(small)) == GEMV_ROWS_DEFAULT
+    assert dequantizing_rows(nn.Linear(4, 4)) is None
+    rows = dequantizing_rows(nn.ModuleList([small, big]))
+    assert rows == GEMV_ROWS["Q4_1_R16"]
+    calls = []
+    dequantize = quant.dequantize
+    monkeypatch.setattr(
+        quant, "dequantize", lambda *args, **kw: calls.append(1) or dequantize(*args, **kw)
+    )
+    big(torch.randn(rows, 256))
+    assert not calls
+    big(torch.randn(rows + 1, 256))
+    assert calls
 
 
 def test_embedding_rows_and_a_tied_head_read_the_same_blocks():

@@ -4,6 +4,7 @@ coefficients, and the planner's KV formula against the engine's own block accoun
 import json
 import math
 import random
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -175,14 +176,15 @@ def test_a_prompt_beyond_the_pool_is_rejected_not_simulated():
 
 def test_step_cost_fit_recovers_known_coefficients():
     rng = random.Random(0)
-    truth = np.array([0.02, 5e-4, 1e-3, 2e-6, 3e-8, 0.0, 0.0])
+    truth = np.array([0.02, 5e-4, 1e-3, 2e-6, 3e-8, 0.0, 0.0, 0.03])
     shapes = [
         StepShape(tuple((rng.choice([1, 1, rng.randint(2, 300)]), rng.randint(0, 2000))
                         for _ in range(rng.randint(1, 40))))
         for _ in range(300)
     ]  # fmt: skip
-    y = np.array([truth @ features(s) for s in shapes])
-    assert fit_nonnegative(np.array([features(s) for s in shapes]), y) == pytest.approx(truth)
+    x = np.array([features(s, dequant_rows=64) for s in shapes])
+    assert 0 < x[:, -1].sum() < len(shapes)  # both kinds of step are there to fit
+    assert fit_nonnegative(x, x @ truth) == pytest.approx(truth)
 
 
 def test_step_cost_fit_keeps_coefficients_nonnegative():
@@ -193,7 +195,24 @@ def test_step_cost_fit_keeps_coefficients_nonnegative():
 
 def test_features_by_hand():
     shape = StepShape(((1, 99), (1, 9), (10, 20)), num_adapters=1, lora_tokens=10)
-    assert features(shape) == [1.0, 12, 3, 100 + 10, 10 * (20 + 5), 1, 10]
+    assert features(shape) == [1.0, 12, 3, 100 + 10, 10 * (20 + 5), 1, 10, 0.0]
+    # Twelve tokens: dequantized above 11 rows, multiplied on the blocks up to 12.
+    assert features(shape, dequant_rows=11)[-1] == 1.0
+    assert features(shape, dequant_rows=12)[-1] == 0.0
+
+
+def test_a_model_saved_before_a_feature_existed_predicts_as_it_did(tmp_path):
+    old = _cost(rows=0.002, dequant_steps=0.5)
+    old.coef = old.coef[:-1]  # as saved when "dequant_steps" did not exist yet
+    old.dequant_rows = 0  # every step would pay the new feature, were it there
+    data = json.loads(json.dumps({"features": FEATURES[:-1], **asdict(old)}))
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    loaded = StepCostModel.load(tmp_path / "old.json")
+    shape = StepShape(((1, 99), (30, 0)))
+    assert loaded.step_seconds(shape) == pytest.approx(CONST + 31 * PER_TOKEN + 2 * 0.002)
+    (tmp_path / "other.json").write_text(json.dumps({**data, "features": ["rows", "const"]}))
+    with pytest.raises(ValueError, match="rerun calibrate"):
+        StepCostModel.load(tmp_path / "other.json")
 
 
 def test_kv_wall_matches_the_engine_block_accounting(synth_llama):

@@ -29,31 +29,35 @@ from tutorserve.config import EngineConfig
 from tutorserve.engine.scheduler import StepShape
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
+from tutorserve.quant.layers import dequantizing_rows
 from tutorserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 _BATCHES = (1, 2, 4, 8, 16, 32, 48)
 _PROMPTS = (32, 128, 512, 1024, 1800)
 _MAX_EPISODE_TOKENS = 4_000  # prompt tokens computed per episode (bounds its time)
-_SHARED_SHARE = 95  # percent of a prompt that the prompts of a shared-prefix episode share
+# Tokens of its own after a shared prefix (a student's part after a course prompt): on both sides
+# of the rows above which quantized weights are dequantized (`quant.layers.dequantizing_rows`),
+# so that the fit sees what a short chunk costs either way.
+_OWN_TOKENS = (16, 48, 96, 160)
 
 
 @dataclass(frozen=True, slots=True)
 class Episode:
     batch: int
     prompt: int
-    shared: bool
+    own: int  # tokens of each prompt not shared with the others (all of it: none shared)
     max_tokens: int
     waves: int  # requests arrive in this many waves, 3 steps apart
 
     @classmethod
     def draw(cls, rng: random.Random) -> Episode:
-        prompt, shared = rng.choice(_PROMPTS), rng.random() < 0.5
+        prompt = rng.choice(_PROMPTS)
         # Prompts sharing a prefix (a course prompt) compute only their own part after the
         # first: large batches over long contexts cost little to set up.
-        computed = prompt - prompt * _SHARED_SHARE // 100 if shared else prompt
-        batch = min(rng.choice(_BATCHES), max(1, _MAX_EPISODE_TOKENS // computed))
-        return cls(batch, prompt, shared, rng.randint(8, 32), rng.choice((1, 1, 2, 4)))
+        own = min(rng.choice(_OWN_TOKENS), prompt // 2) if rng.random() < 0.5 else prompt
+        batch = min(rng.choice(_BATCHES), max(1, _MAX_EPISODE_TOKENS // own))
+        return cls(batch, prompt, own, rng.randint(8, 32), rng.choice((1, 1, 2, 4)))
 
 
 @dataclass(slots=True)
@@ -65,11 +69,9 @@ class Sample:
 
 def _run_episode(engine: Any, ep: Episode, rng: random.Random, tag: str) -> None:
     vocab = engine.model.config.vocab_size
-    shared = [rng.randrange(100, vocab - 100) for _ in range(ep.prompt * _SHARED_SHARE // 100)]
-    prompts = []
-    for _ in range(ep.batch):
-        own = [rng.randrange(100, vocab - 100) for _ in range(ep.prompt - len(shared))]
-        prompts.append(shared + own if ep.shared else own + shared)
+    shared = [rng.randrange(100, vocab - 100) for _ in range(ep.prompt - ep.own)]
+    prompts = [shared + [rng.randrange(100, vocab - 100) for _ in range(ep.own)]
+               for _ in range(ep.batch)]  # fmt: skip
     params = SamplingParams(max_tokens=ep.max_tokens, ignore_eos=True)
     # With adapters loaded, half the episodes spread their requests over 1, 2 or all of them.
     names = engine.lora_names()
@@ -109,14 +111,15 @@ def _restore_probe(engine: Any, rng: random.Random, history: int = 1024) -> Samp
 
 def measure(
     config: EngineConfig, episodes: int, seed: int, position: int = 0
-) -> tuple[list[Sample], list[Sample]]:
-    """Steps of `episodes` random episodes on one engine built from `config`, and the steps of
-    three restores from the RAM tier."""
+) -> tuple[list[Sample], list[Sample], int | None]:
+    """Steps of `episodes` random episodes on one engine built from `config`, the steps of
+    three restores from the RAM tier, and the tokens per step above which its weights are
+    dequantized."""
     from tutorserve.engine.engine import LLMEngine
 
     engine = LLMEngine(config)
     rng = random.Random(seed)
-    _run_episode(engine, Episode(4, 256, True, 8, 2), rng, "warmup")  # kernels built, caches hot
+    _run_episode(engine, Episode(4, 256, 16, 8, 2), rng, "warmup")  # kernels built, caches hot
     samples: list[Sample] = []
     for i in tqdm(range(episodes), desc=f"calibrating (engine {position})", position=position):
         ep = Episode.draw(rng)
@@ -127,7 +130,7 @@ def measure(
         engine.step_log = None
     probes = [_restore_probe(engine, rng) for _ in range(3)]
     engine.close()
-    return samples, probes
+    return samples, probes, dequantizing_rows(engine.model)
 
 
 def calibrate(
@@ -151,13 +154,14 @@ def _calibrate(
 ) -> tuple[StepCostModel, list[Sample]]:
     start = time.perf_counter()
     if parallel == 1:
-        samples, probes = measure(config, episodes, seed)
+        samples, probes, dequant_rows = measure(config, episodes, seed)
     else:
         with ProcessPoolExecutor(parallel, mp_context=get_context("spawn")) as pool:
             jobs = [pool.submit(measure, config, episodes, seed + k, k) for k in range(parallel)]
             runs = [j.result() for j in jobs]
         samples = [s for run in runs for s in run[0]]
         probes = [p for run in runs for p in run[1]]
+        dequant_rows = runs[0][2]
     fit = [s for s in samples if not s.held_out]
     test = [s for s in samples if s.held_out]
     meta = {
@@ -173,7 +177,7 @@ def _calibrate(
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "seconds": round(time.perf_counter() - start, 1),
     }
-    model = StepCostModel.fit([s.shape for s in fit], [s.seconds for s in fit],
+    model = StepCostModel.fit([s.shape for s in fit], [s.seconds for s in fit], dequant_rows,
                               source=source, meta=meta)  # fmt: skip
     model.error = model.held_out_error([s.shape for s in test], [s.seconds for s in test])
     # Blocks restored: the probe's cached tokens (all from RAM: the pool was emptied).

@@ -1,11 +1,15 @@
 """How long one engine step takes, as a function of what it computes: a small linear model fitted
 on measured steps (`bench calibrate`), or derived from a device's datasheet numbers.
 
-Form (seconds): t = c0 + c1·T + c2·R + c3·D + c4·P + c5·A + c6·L, where T is the tokens the
-step computes, R its rows (requests), D the KV tokens its decode rows read, P the attention pairs
-of its prefill rows (Σ n·(c + n/2) for n new tokens after c cached ones), A the distinct LoRA
-adapters and L the tokens that run one. c0 is reading the weights and the step's fixed overhead,
-c1 the matmuls per token, c3 decode attention's KV reads, c4 prefill attention. Coefficients are
+Form (seconds): t = c0 + c1·T + c2·R + c3·D + c4·P + c5·A + c6·L + c7·Q, where T is the tokens
+the step computes, R its rows (requests), D the KV tokens its decode rows read, P the attention
+pairs of its prefill rows (Σ n·(c + n/2) for n new tokens after c cached ones), A the distinct
+LoRA adapters, L the tokens that run one, and Q is 1 when T exceeds the rows that quantized
+weights multiply on their blocks (`quant/layers.py`), else 0. c0 is reading the weights and the
+step's fixed overhead, c1 the matmuls per token, c3 decode attention's KV reads, c4 prefill
+attention, c7 dequantizing the weights for a GEMM: a 90-token prefill chunk pays it as a
+1,000-token one does, which no line in T can say (fitted without it, such chunks after a cached
+course prompt ran 25-50 % over their prediction in the server). Coefficients are
 fitted non-negative (a negative cost has no meaning and extrapolates badly), which also keeps
 the model monotone in every feature, as the simulator's planner search needs.
 """
@@ -21,14 +25,18 @@ import numpy as np
 
 from tutorserve.engine.scheduler import StepShape
 
-FEATURES = ("const", "tokens", "rows", "decode_kv", "prefill_pairs", "adapters", "lora_tokens")
+# New features go last: a model saved before one existed predicts without it (`load`).
+FEATURES = ("const", "tokens", "rows", "decode_kv", "prefill_pairs", "adapters", "lora_tokens",
+            "dequant_steps")  # fmt: skip
 
 
-def features(shape: StepShape) -> list[float]:
+def features(shape: StepShape, dequant_rows: int | None = None) -> list[float]:
     tokens = sum(n for n, _ in shape.rows)
     decode_kv = sum(c + 1 for n, c in shape.rows if n == 1)
     pairs = sum(n * (c + n / 2) for n, c in shape.rows if n > 1)
-    return [1.0, tokens, len(shape.rows), decode_kv, pairs, shape.num_adapters, shape.lora_tokens]
+    dequant = float(dequant_rows is not None and tokens > dequant_rows)
+    return [1.0, tokens, len(shape.rows), decode_kv, pairs, shape.num_adapters, shape.lora_tokens,
+            dequant]  # fmt: skip
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -77,15 +85,21 @@ class StepCostModel:
     # what the step computes.
     request_overhead_s: float = 0.0
     serving_step_overhead_s: float = 0.0
+    # Tokens per step above which the weights are dequantized (`quant.layers.dequantizing_rows`
+    # of the calibrated model); None: not quantized, no step pays it.
+    dequant_rows: int | None = None
 
     def step_seconds(self, shape: StepShape) -> float:
-        return float(np.dot(self.coef, features(shape))) + self.serving_step_overhead_s
+        cost = np.dot(self.coef, features(shape, self.dequant_rows))
+        return float(cost) + self.serving_step_overhead_s
 
     @classmethod
-    def fit(cls, shapes: list[StepShape], seconds: list[float], **kw: Any) -> StepCostModel:
-        x = np.array([features(s) for s in shapes])
+    def fit(
+        cls, shapes: list[StepShape], seconds: list[float], dequant_rows: int | None, **kw: Any
+    ) -> StepCostModel:
+        x = np.array([features(s, dequant_rows) for s in shapes])
         coef = fit_nonnegative(x, np.array(seconds))
-        return cls(coef.tolist(), True, **kw)
+        return cls(coef.tolist(), True, dequant_rows=dequant_rows, **kw)
 
     def held_out_error(self, shapes: list[StepShape], seconds: list[float]) -> dict[str, float]:
         pred = np.array([self.step_seconds(s) for s in shapes])
@@ -116,6 +130,7 @@ class StepCostModel:
             4 * model.attn_dim * model.layers / flops,
             0.0,
             0.0,
+            0.0,
         ]
         block = model.kv_bytes_per_token * block_size
         return cls(
@@ -132,9 +147,17 @@ class StepCostModel:
     def load(cls, path: str | Path) -> StepCostModel:
         data = json.loads(Path(path).read_text())
         unknown = set(data) - {"features", *(f.name for f in fields(cls))}
-        if tuple(data.pop("features", ())) != FEATURES or unknown:
-            raise ValueError(f"{path}: not a step-cost model of this version (rerun calibrate)")
-        return cls(**data)
+        saved = tuple(data.pop("features", ()))
+        coef = data.get("coef", [])
+        outdated = ValueError(f"{path}: not a step-cost model of this version (rerun calibrate)")
+        if not saved or FEATURES[: len(saved)] != saved or len(coef) != len(saved) or unknown:
+            raise outdated
+        # Fitted before the later features existed: it predicts as it did when it was saved.
+        data["coef"] = coef + [0.0] * (len(FEATURES) - len(saved))
+        try:
+            return cls(**data)
+        except TypeError as e:  # a field it needs is missing
+            raise outdated from e
 
 
 @dataclass(frozen=True, slots=True)

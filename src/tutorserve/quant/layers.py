@@ -15,6 +15,7 @@ for every layer makes prefill-sized batches slower than a model dequantized once
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -146,3 +147,14 @@ class QuantEmbedding(nn.Module):
             self.blocks, self.fmt, self.embedding_dim, self.dtype, rows=ids.reshape(-1)
         )
         return flat.view(*ids.shape, self.embedding_dim)
+
+
+def dequantizing_rows(model: nn.Module) -> int | None:
+    """Tokens per step above which most of `model`'s quantized weight (by elements) is
+    dequantized for a GEMM: such a step pays that once, whatever it computes. None when no
+    linear layer is quantized."""
+    weight: Counter[int] = Counter()
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear):
+            weight[layer.gemv_rows] += layer.in_features * layer.out_features
+    return weight.most_common(1)[0][0] if weight else None
