@@ -67,13 +67,17 @@ def _kind(shape: StepShape, dequant_rows: int | None) -> str:
     return kind
 
 
-def compare(steps: list[dict], cost: StepCostModel) -> dict[str, dict[str, float]]:
+def compare(
+    steps: list[dict], cost: StepCostModel, dequant_rows: int | None
+) -> dict[str, dict[str, float]]:
+    """Per kind of step (dequantizing ones apart when `dequant_rows` is given): the count, the
+    measured and predicted sums, the median error per step."""
     by_kind: dict[str, list[tuple[float, float]]] = {}
     for step in steps:
         shape = StepShape(tuple(map(tuple, step["shape"]["rows"])), step["shape"]["num_adapters"],
                           step["shape"]["lora_tokens"])  # fmt: skip
         pair = (cost.step_seconds(shape), step["seconds"])
-        by_kind.setdefault(_kind(shape, cost.dequant_rows), []).append(pair)
+        by_kind.setdefault(_kind(shape, dequant_rows), []).append(pair)
     by_kind["all"] = [p for pairs in list(by_kind.values()) for p in pairs]
     return {
         kind: {
@@ -112,14 +116,19 @@ def main() -> None:
     run["config"].update(system="tutorserve-notiers", argv=[sys.executable, "-m", "tutorserve.cli",
                          *serve_argv], command=" ".join(sys.argv))  # fmt: skip
     (a.out / "run.json").write_text(json.dumps(run, indent=1))
-    result = compare(json.loads(steps_path.read_text()), cost)
+    result = compare(json.loads(steps_path.read_text()), cost, cost.dequant_rows)
     (a.out / "compare.json").write_text(json.dumps({"step_cost": a.step_cost, **result}, indent=1))
-    print("| steps | count | measured s | predicted s | summed error | median error per step |")
-    print("|---|---|---|---|---|---|")
+    print(table(result))
+
+
+def table(result: dict[str, dict[str, float]]) -> str:
+    lines = ["| steps | count | measured s | predicted s | summed error | median error per step |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for kind, r in result.items():
         summed = r["predicted_s"] / r["measured_s"] - 1
-        print(f"| {kind} | {r['steps']} | {r['measured_s']:.2f} | {r['predicted_s']:.2f} | "
-              f"{summed:+.1%} | {r['median_error']:+.1%} |")  # fmt: skip
+        lines.append(f"| {kind} | {r['steps']} | {r['measured_s']:.2f} | {r['predicted_s']:.2f} | "
+                     f"{summed:+.1%} | {r['median_error']:+.1%} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
