@@ -2,10 +2,12 @@
 multiply on their blocks: the step that crosses them pays for dequantizing the weights
 (docs/benchmarks/planner.md, the step-cost model's `dequant_steps`).
 
-    .venv/bin/python bench/dequant_step.py [--num-threads T]
+    .venv/bin/python bench/dequant_step.py [--num-threads T] [--gemv-rows N]
 
 The default model (SmolLM2-135M, Q4_1 blocks); a random 1,024-token prompt is computed first,
 then 5 requests that add N tokens of their own to it; the median time of their one step.
+`--gemv-rows` moves the repacked formats' limit (`quant.layers.GEMV_ROWS`) for this run, to
+find where multiplying on the blocks stops paying in a whole step.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ import random
 import statistics
 
 from tutorserve import LLM, SamplingParams
+from tutorserve.quant import layers
 from tutorserve.quant.layers import dequantizing_rows
 
-SIZES = (16, 32, 48, 64, 65, 80, 96, 128, 192, 256)
+SIZES = (16, 32, 48, 64, 65, 80, 96, 128, 192, 256, 384, 512)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-threads", type=int)
+    ap.add_argument("--gemv-rows", type=int)
     a = ap.parse_args()
+    if a.gemv_rows is not None:
+        layers.GEMV_ROWS = dict.fromkeys(layers.GEMV_ROWS, a.gemv_rows)
     llm = LLM("smollm2-135m-instruct", num_threads=a.num_threads)
     engine, rng = llm.engine, random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=1)

@@ -158,8 +158,8 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
 @pytest.mark.parametrize("rows", [1, 40, GEMV_ROWS["Q4_1_R16"], GEMV_ROWS["Q4_1_R16"] + 1])
 def test_a_repacked_layer_multiplies_on_its_blocks_up_to_its_own_row_count(rows):
     """Q4_1 rows in sixteens are repacked at load, and multiply on their blocks (int8
-    activations) up to 64 rows, where the GGUF layout stops at 12; above, on the dequantized
-    weight."""
+    activations) up to their own row count (256), where the GGUF layout stops at 12; above, on
+    the dequantized weight."""
     w = QuantWeight(torch.from_numpy(random_blocks("Q4_1", 32, 256)), "Q4_1", 256)
     layer = QuantLinear([w], None, Scratch())
     assert layer.fmts == ["Q4_1_R16"] and layer.gemv_rows == GEMV_ROWS["Q4_1_R16"]
@@ -276,7 +276,8 @@ def test_the_default_model_on_its_q4_1_blocks_matches_itself_dequantized():
     assert any(isinstance(m, QuantLinear) for m in quantized.engine.model.modules())
     ids = quantized.tokenizer.encode(HELD_TEXT)
     # One token a step, as decoding computes them: the matmuls run on the blocks themselves
-    # (a longer chunk multiplies their exact dequantization with PyTorch's GEMM).
+    # (a chunk of more than their row count multiplies their exact dequantization with
+    # PyTorch's GEMM).
     la = forward_logits(quantized.engine.model, ids, chunk=1).double()
     lb = forward_logits(plain.engine.model, ids).double()
     agree = la.argmax(-1) == lb.argmax(-1)
@@ -293,8 +294,11 @@ def test_the_default_model_on_its_q4_1_blocks_matches_itself_dequantized():
     assert agree.double().mean() >= 0.96 and delta < 0.1, (agree.double().mean(), delta)
     ppl = [perplexity(quantized.engine.model, ids, chunk=1), perplexity(plain.engine.model, ids)]
     assert abs(ppl[0] / ppl[1] - 1) < 0.01, ppl
-    prefill = forward_logits(quantized.engine.model, ids).double()
-    assert torch.equal(prefill, lb)
+    # A chunk above the blocks' row count multiplies their exact dequantization.
+    long = ids * 2
+    assert len(long) > GEMV_ROWS["Q4_1_R16"]
+    prefill = forward_logits(quantized.engine.model, long).double()
+    assert torch.equal(prefill, forward_logits(plain.engine.model, long).double())
     prompts = [
         quantized.render_chat([{"role": "user", "content": q}])
         for q in ("Explain what photosynthesis is in one sentence.", "What is a prime number?",

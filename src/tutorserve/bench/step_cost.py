@@ -7,9 +7,10 @@ pairs of its prefill rows (Σ n·(c + n/2) for n new tokens after c cached ones)
 LoRA adapters, L the tokens that run one, and Q is 1 when T exceeds the rows that quantized
 weights multiply on their blocks (`quant/layers.py`), else 0. c0 is reading the weights and the
 step's fixed overhead, c1 the matmuls per token, c3 decode attention's KV reads, c4 prefill
-attention, c7 dequantizing the weights for a GEMM: a 90-token prefill chunk pays it as a
-1,000-token one does, which no line in T can say (fitted without it, such chunks after a cached
-course prompt ran 25-50 % over their prediction in the server). Coefficients are
+attention, c7 dequantizing the weights for a GEMM: a chunk just past the rows pays it as a
+1,000-token one does, which no line in T can say (fitted without it, when the rows were 64,
+chunks of 65-110 tokens after a cached course prompt ran 20-25 % over their prediction in the
+server: docs/benchmarks/planner.md). Coefficients are
 fitted non-negative (a negative cost has no meaning and extrapolates badly), which also keeps
 the model monotone in every feature, as the simulator's planner search needs.
 """

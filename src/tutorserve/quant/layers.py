@@ -28,14 +28,16 @@ from tutorserve.quant.weight import QuantWeight
 
 # Rows up to which a format multiplies on its blocks (others: GEMV_ROWS_DEFAULT); above, the
 # blocks are dequantized for PyTorch's GEMM. Measured crossovers against dequantizing and the
-# GEMM (docs/benchmarks/quantization.md): repacked Q4 and Q5_0 rows keep up to 64 rows.
+# GEMM (docs/benchmarks/quantization.md): repacked Q4 and Q5_0 rows keep up to 256 rows, where
+# a whole step (the fused C call included) stops gaining by it; one layer alone, hot in cache,
+# crosses over earlier (96-256 rows), but a step dequantizes every layer's weight in turn.
 GEMV_ROWS_DEFAULT = 12
-GEMV_ROWS = {"Q4_0_R16": 64, "Q4_1_R16": 64, "Q5_0_R16": 64}
+GEMV_ROWS = {"Q4_0_R16": 256, "Q4_1_R16": 256, "Q5_0_R16": 256}
 
 
 class Scratch:
     """One buffer for the dequantized weight of whichever layer runs now. It remembers whose
-    weight it holds: a layer that is the only one using it (the LM head, when 13-64 rows
+    weight it holds: a layer that is the only one using it (the LM head, when 13-256 rows
     sample and the repacked layers stay on their blocks) dequantizes once, not every step."""
 
     def __init__(self) -> None:
@@ -78,8 +80,9 @@ class QuantLinear(nn.Module):
                 merged[-1] = QuantWeight(rows, p.fmt, self.in_features)
             else:
                 merged.append(p)
-        # Q4_0/Q4_1/Q5_0 rows repacked by sixteen multiply 1.5-3x faster at batch 1-16, keep up
-        # with dequantize + GEMM to 64 rows (kernels/quant_rows16.c; quantization.md).
+        # Q4_0/Q4_1/Q5_0 rows repacked by sixteen multiply 1.5-3x faster at batch 1-16, and a
+        # step keeps up with dequantize + GEMM to 256 rows (kernels/quant_rows16.c;
+        # quantization.md).
         merged = [p.repacked() for p in merged]
         self.fmts = [p.fmt for p in merged]
         self.out_features = sum(p.out_features for p in merged)
