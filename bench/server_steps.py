@@ -74,8 +74,7 @@ def compare(
     measured and predicted sums, the median error per step."""
     by_kind: dict[str, list[tuple[float, float]]] = {}
     for step in steps:
-        shape = StepShape(tuple(map(tuple, step["shape"]["rows"])), step["shape"]["num_adapters"],
-                          step["shape"]["lora_tokens"])  # fmt: skip
+        shape = StepShape(**{**step["shape"], "rows": tuple(map(tuple, step["shape"]["rows"]))})
         pair = (cost.step_seconds(shape), step["seconds"])
         by_kind.setdefault(_kind(shape, dequant_rows), []).append(pair)
     by_kind["all"] = [p for pairs in list(by_kind.values()) for p in pairs]
