@@ -1,7 +1,7 @@
 """The step-cost model with and without its dequantizing feature (`dequant_steps`), on the same
 measured steps (docs/benchmarks/planner.md).
 
-    .venv/bin/python bench/step_cost_ablation.py CAL_DIR [--server-steps DIR/steps.json]
+    .venv/bin/python bench/step_cost_ablation.py CAL_DIR [--server-steps DIR/steps]
 
 Refits a `bench calibrate` run's saved samples (CAL_DIR/calibrate-samples.json) both ways, prints
 each model's error on the held-out steps and, given the steps `bench/server_steps.py` recorded in
@@ -19,12 +19,17 @@ from server_steps import compare, table
 
 from tutorserve.bench.step_cost import StepCostModel
 from tutorserve.engine.scheduler import StepShape
+from tutorserve.engine.step_log import read_step_logs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("calibration", type=Path, help="a `bench calibrate --out` folder")
-    ap.add_argument("--server-steps", type=Path, help="a bench/server_steps.py steps.json")
+    ap.add_argument(
+        "--server-steps",
+        nargs="+",
+        help="step logs (files or folders, e.g. a bench/server_steps.py DIR/steps)",
+    )
     a = ap.parse_args()
     rows = StepCostModel.load(a.calibration / "step-cost.json").dequant_rows
     samples = json.loads((a.calibration / "calibrate-samples.json").read_text())
@@ -41,7 +46,7 @@ def main() -> None:
               f"{error['median_rel_error']:.1%}, mean {error['mean_rel_error']:.1%}, p90 "
               f"{error['p90_rel_error']:.1%}, summed {error['total_time_error']:+.1%}")  # fmt: skip
         if a.server_steps:
-            print(table(compare(json.loads(a.server_steps.read_text()), model, rows)))
+            print(table(compare(read_step_logs(a.server_steps)[1], model, rows)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The simulator's pieces against hand-computed cases, the step-cost fit against known
 coefficients, and the planner's KV formula against the engine's own block accounting."""
 
+import gzip
 import json
 import math
 import random
@@ -294,3 +295,86 @@ def test_datasheet_model_is_labelled_not_measured():
     assert not cost.measured and "not measured" in cost.source
     one = cost.step_seconds(StepShape(((1, 1000),)))
     assert math.isclose(one, cost.coef[0] + cost.coef[1] + 1001 * cost.coef[3], rel_tol=1e-9)
+
+
+def test_an_engine_logs_every_step_it_runs(tmp_path, synth_llama):
+    from tutorserve.engine.step_log import read_step_logs
+    from tutorserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=synth_llama, dtype="float32", kv_ram_bytes=0,
+                                    step_log_dir=str(tmp_path / "logs")))  # fmt: skip
+    for i, n in enumerate((5, 9)):
+        engine.add_request(f"r{i}", list(range(10, 10 + n)), SamplingParams(max_tokens=3))
+    while engine.has_unfinished():
+        engine.step()
+    engine.close()
+    headers, steps = read_step_logs([tmp_path / "logs"])
+    assert len(headers) == 1 and headers[0]["model"] == synth_llama
+    assert headers[0]["dequant_rows"] is None  # a float32 model: nothing dequantizes
+    assert len(steps) == engine.num_steps
+    assert steps[0][0].rows == ((5, 0), (9, 0))  # both prompts, nothing cached before
+    assert steps[1][0].rows == ((1, 5), (1, 9))
+    assert sum(s for _, s, _ in steps) == pytest.approx(engine.step_seconds)
+    # The first step follows no busy one; each later one does (here the loop is a while).
+    assert steps[0][2] is None and all(0 <= gap < 0.5 for _, _, gap in steps[1:])
+
+
+def _write_log(folder, header, shapes, cost, gap=None):
+    from tutorserve.engine.step_log import StepLogFile, StepRecord
+
+    log = StepLogFile(folder, header)
+    for shape in shapes:
+        log.append(StepRecord(len(shape.rows), 0, False, cost.step_seconds(shape), 0.0, 0, 0,
+                              shape, gap))  # fmt: skip
+    log.close()
+    return log.path
+
+
+def test_calibrating_on_step_logs_recovers_the_server_steps_cost(tmp_path, capsys, synth_llama):
+    from tutorserve.bench.calibrate import from_step_logs
+
+    rng = random.Random(1)
+    truth = _cost(rows=0.002, decode_kv=1e-6, dequant_steps=0.04)
+    truth.dequant_rows = 64
+    header = {"model": synth_llama, "dtype": "float32", "threads": 1, "block_size": 16,
+              "max_num_batched_tokens": 2048, "dequant_rows": 64}  # fmt: skip
+    shapes = [StepShape(tuple((rng.choice([1, 1, rng.randint(2, 200)]), rng.randint(0, 1500))
+                              for _ in range(rng.randint(1, 24))))
+              for _ in range(400)]  # fmt: skip
+    # Two replicas' logs, the second cut short as a killed engine leaves it.
+    _write_log(tmp_path / "a", header, shapes[:200], truth, gap=0.002)
+    cut = _write_log(tmp_path / "b", header, shapes[200:], truth, gap=0.004)
+    cut.write_text(cut.read_text() + '{"shape": {"rows": [[1, ')
+    kept = cut.with_name(cut.name + ".gz")  # logs kept in the repository are gzipped
+    kept.write_bytes(gzip.compress(cut.read_bytes()))
+    cut.unlink()
+    model, samples = from_step_logs([str(tmp_path / "a"), str(tmp_path / "b")], "test")
+    assert model.coef == pytest.approx(truth.coef, abs=1e-9)
+    assert model.dequant_rows == 64 and model.meta["engines"] == 2
+    assert len(samples) == 400 and model.error["steps"] == 100  # every fourth run of 50 steps
+    assert model.error["median_rel_error"] == pytest.approx(0, abs=1e-9)
+    # The loop's time between busy steps, measured, is what serving adds to each step.
+    assert model.serving_step_overhead_s == pytest.approx(0.003)
+    # Engines of other settings are not one calibration; no logs is a message, not a crash.
+    _write_log(tmp_path / "c", header | {"threads": 2}, shapes[:10], truth)
+    with pytest.raises(ValueError, match="different settings"):
+        from_step_logs([str(tmp_path / "a"), str(tmp_path / "c")], "test")
+    _write_log(tmp_path / "e", {"model": synth_llama}, shapes, truth)
+    with pytest.raises(ValueError, match="lacks the engine's settings"):
+        from_step_logs([str(tmp_path / "e")], "test")
+    # The command saves the fit with the RAM tier's restore cost probed on the logs' model.
+    logs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    out = tmp_path / "cal"
+    argv = ["bench", "calibrate", "--from-step-logs", *logs, "--model", synth_llama]
+    assert main([*argv, "--out", str(out)]) == 0
+    saved = StepCostModel.load(out / "step-cost.json")
+    assert saved.coef == pytest.approx(truth.coef, abs=1e-9)
+    assert saved.restore_s_per_block is not None and saved.restore_s_per_block >= 0
+    _write_log(tmp_path / "d", header | {"model": "/elsewhere/other.gguf"}, shapes, truth)
+    assert main([*argv[:3], str(tmp_path / "d"), *argv[-2:], "--out", str(out)]) == 2
+    assert "step logs are of /elsewhere/other.gguf" in capsys.readouterr().err
+    assert main(["bench", "calibrate", "--from-step-logs", str(tmp_path / "none")]) == 2
+    assert "no such step log" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["bench", "calibrate", "--from-step-logs", str(tmp_path / "empty")]) == 2
+    assert "no step logs" in capsys.readouterr().err

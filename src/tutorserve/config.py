@@ -96,6 +96,11 @@ class EngineConfig:
     max_bypass: int = 32  # times a request may be passed over by a later arrival
     seed: int = _option(0, Flag("sampling seed for requests without one"))
     num_threads: int | None = _option(None, Flag("CPU threads (default: PyTorch's)", type=int))
+    # For calibrating the simulator on the steps an engine runs in a server (bench/calibrate.py).
+    step_log_dir: str | None = _option(
+        None, Flag("write every step's shape and time to DIR/steps-<pid>-<n>.jsonl", type=str,
+                   metavar="DIR"),
+    )  # fmt: skip
     # KV tiers below the pool (0 turns a tier off). The disk tier outlives the process; the
     # offline API leaves it off by default, the CLI turns it on.
     kv_ram_bytes: int = _option(

@@ -7,6 +7,10 @@ all at once or in waves (so prefill chunks mix with decodes, as under serving lo
 fourth episode is held out: the model's error is reported on steps it was not fitted on. With
 `parallel` > 1, that many engines calibrate at once in separate processes, as replicas sharing
 the host do (they contend for memory bandwidth, which one engine alone would not show).
+
+`from_step_logs` fits the same model on the steps that engines ran inside a server instead
+(`serve --step-log-dir`): there the serving path (HTTP, tokenizer, streaming) and the other
+replicas share the engine's cores, which an engine calibrated alone does not see.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from tqdm import tqdm
 from tutorserve.bench.step_cost import StepCostModel
 from tutorserve.config import EngineConfig
 from tutorserve.engine.scheduler import StepShape
+from tutorserve.engine.step_log import read_step_logs
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
 from tutorserve.quant.layers import dequantizing_rows
@@ -133,6 +138,26 @@ def measure(
     return samples, probes, dequantizing_rows(engine.model)
 
 
+def probe_restores(config: EngineConfig, seed: int) -> list[Sample]:
+    """Three restores from the RAM tier on an engine built from `config` (with a RAM tier),
+    for a model fitted on steps that had none (`from_step_logs`)."""
+    from tutorserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(config)
+    rng = random.Random(seed)
+    _run_episode(engine, Episode(4, 256, 16, 8, 2), rng, "warmup")
+    probes = [_restore_probe(engine, rng) for _ in range(3)]
+    engine.close()
+    return probes
+
+
+def restore_cost(model: StepCostModel, probes: list[Sample], block_size: int) -> float:
+    """Seconds per block restored: a probe's time less what the model says it computes, over
+    its cached blocks (all from RAM: the pool was emptied)."""
+    return statistics.median(max(0.0, p.seconds - model.step_seconds(p.shape))
+                             / (p.shape.rows[0][1] // block_size) for p in probes)  # fmt: skip
+
+
 def calibrate(
     config: EngineConfig, episodes: int, seed: int, parallel: int, source: str, loras: int = 0
 ) -> tuple[StepCostModel, list[Sample]]:
@@ -180,12 +205,44 @@ def _calibrate(
     model = StepCostModel.fit([s.shape for s in fit], [s.seconds for s in fit], dequant_rows,
                               source=source, meta=meta)  # fmt: skip
     model.error = model.held_out_error([s.shape for s in test], [s.seconds for s in test])
-    # Blocks restored: the probe's cached tokens (all from RAM: the pool was emptied).
-    model.restore_s_per_block = statistics.median(
-        max(0.0, p.seconds - model.step_seconds(p.shape))
-        / (p.shape.rows[0][1] // config.block_size)
-        for p in probes
-    )
+    model.restore_s_per_block = restore_cost(model, probes, config.block_size)
+    return model, samples
+
+
+_HELD_OUT_RUN = 50  # steps held out together: a step's neighbours are near twins of it
+
+
+def from_step_logs(paths: list[str], source: str) -> tuple[StepCostModel, list[Sample]]:
+    """The step-cost model fitted on logged steps, every fourth run of 50 steps held out, with
+    the mean time between two busy steps (the serving loop's, measured) as the time serving adds
+    to each step."""
+    headers, logged = read_step_logs(paths)
+    steps = [(shape, s) for shape, s, _ in logged]
+    gaps = [g for _, _, g in logged if g is not None]
+    keys = ("model", "dequant_rows", "threads", "block_size", "max_num_batched_tokens")
+    if any(k not in h for h in headers for k in (*keys, "dtype", "date")):
+        raise ValueError(f"a step log's header lacks the engine's settings ({', '.join(keys)}, "
+                         "dtype): not written by --step-log-dir")  # fmt: skip
+    kinds = {tuple(h.get(k) for k in keys) for h in headers}
+    if len(kinds) != 1:
+        settings = "; ".join(str(dict(zip(keys, k, strict=True))) for k in kinds)
+        raise ValueError(f"the step logs come from engines of different settings: {settings}")
+    samples = [Sample(shape, s, i // _HELD_OUT_RUN % 4 == 3) for i, (shape, s) in enumerate(steps)]
+    fit = [s for s in samples if not s.held_out]
+    test = [s for s in samples if s.held_out]
+    if not fit or not test:
+        raise ValueError(f"{len(steps)} logged steps are too few to fit and hold out (need > "
+                         f"{3 * _HELD_OUT_RUN})")  # fmt: skip
+    header = headers[0]
+    meta = {k: header.get(k) for k in ("model", "dtype", "threads", "block_size",
+                                       "max_num_batched_tokens")}  # fmt: skip
+    meta |= {"engines": len(headers), "step_logs": [str(p) for p in paths],
+             "date": max(h["date"] for h in headers)}  # fmt: skip
+    model = StepCostModel.fit([s.shape for s in fit], [s.seconds for s in fit],
+                              header.get("dequant_rows"), source=source, meta=meta)  # fmt: skip
+    model.error = model.held_out_error([s.shape for s in test], [s.seconds for s in test])
+    model.serving_step_overhead_s = statistics.fmean(gaps) if gaps else 0.0
+    model.meta["busy_gaps"] = len(gaps)
     return model, samples
 
 

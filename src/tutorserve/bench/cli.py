@@ -10,7 +10,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from tutorserve.bench.step_cost import FEATURES
 from tutorserve.bench.systems import host_dtype
 from tutorserve.config import EngineConfig, add_engine_args, engine_options
 from tutorserve.engine.policy import POLICIES
-from tutorserve.models.registry import DEFAULT_MODEL
+from tutorserve.models.registry import DEFAULT_MODEL, resolve
 from tutorserve.spec import SpeculativeChoices
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kill-replica-after", type=float, default=None, metavar="S",
                    help="kill one engine replica's process S seconds into each timed run "
                         "(systems on Ray Serve replicas)")  # fmt: skip
+    p.add_argument("--step-logs", action="store_true",
+                   help="our servers log every engine step under OUT/steps/<system>, for "
+                        "`bench calibrate --from-step-logs`")  # fmt: skip
     add_workload_args(p)
     p.add_argument("--out", default="bench-results/serving")
     p.set_defaults(func=cmd_compare)
@@ -205,6 +208,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p, only=("num_threads", "quantization", "max_num_batched_tokens"))
+    p.add_argument("--from-step-logs", nargs="+", metavar="PATH",
+                   help="fit on the steps servers logged (`serve --step-log-dir`, `bench compare "
+                        "--step-logs`: files or folders) instead of running episodes")  # fmt: skip
     p.add_argument("--out", default="bench-results/calibrate", help="folder for JSON and PNG")
     p.set_defaults(func=cmd_calibrate)
 
@@ -213,7 +219,6 @@ def cmd_offline(a: argparse.Namespace) -> int:
     from tutorserve.bench import offline, report
     from tutorserve.bench.workloads import edu_shared_prefix
     from tutorserve.models.loader import load_tokenizer
-    from tutorserve.models.registry import resolve
 
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     unknown = set(systems) - set(OFFLINE)
@@ -360,7 +365,6 @@ def cmd_compare(a: argparse.Namespace) -> int:
     from tutorserve.bench.compare import run_compare
     from tutorserve.bench.systems import ModelFiles
     from tutorserve.models.loader import load_tokenizer
-    from tutorserve.models.registry import resolve
 
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     if unknown := set(systems) - set(SERVERS):
@@ -377,7 +381,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
     results = run_compare(
         systems, files, load_tokenizer(a.tokenizer), rates, out, port=a.port,
         max_num_seqs=a.max_num_seqs, kv_cache_gb=a.kv_cache_gb, dtype=a.dtype,
-        max_concurrency=a.max_concurrency, kill_replica_after=a.kill_replica_after, **kwargs,
+        max_concurrency=a.max_concurrency, kill_replica_after=a.kill_replica_after,
+        step_logs=a.step_logs, **kwargs,
     )  # fmt: skip
     if not results:
         raise ValueError("no system could run; see the warnings above")
@@ -512,8 +517,6 @@ def cmd_multi_lora(a: argparse.Namespace) -> int:
     opts = dict(dtype=a.dtype, max_num_seqs=64)
     hf_dir = None
     if a.vllm:
-        from tutorserve.models.registry import resolve
-
         hf_dir = _hf_dir(a.model, resolve(a.model))
     results = run_multi_lora(
         a.model, counts, num_requests=a.num_requests, output_tokens=a.output_tokens,
@@ -610,7 +613,6 @@ def cmd_spec(a: argparse.Namespace) -> int:
 def cmd_structured(a: argparse.Namespace) -> int:
     from tutorserve.bench.structured import as_json, plot, run_structured_bench, table
     from tutorserve.bench.systems import ModelFiles
-    from tutorserve.models.registry import resolve
 
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     if unknown := set(systems) - set(SERVERS):
@@ -728,13 +730,38 @@ def _hf_dir(model: str, path: Path) -> str:
     return export_gguf_to_hf(str(path), str(cache_dir() / "hf" / model.replace("/", "_")))
 
 
+def _same_model(logged: str, model: str) -> bool:
+    try:
+        return resolve(logged) == resolve(model)
+    except ValueError:  # logged on another machine: the file's name must match
+        return Path(logged).name == resolve(model).name
+
+
 def cmd_calibrate(a: argparse.Namespace) -> int:
-    from tutorserve.bench.calibrate import calibrate, plot
+    from tutorserve.bench.calibrate import (
+        calibrate,
+        from_step_logs,
+        plot,
+        probe_restores,
+        restore_cost,
+    )
 
     # A RAM tier for the restore probe; no episode's prompts come back, so it serves no other.
     config = EngineConfig(model=a.model, dtype=a.dtype, kv_cache_bytes=1 << 30,
                           kv_ram_bytes=1 << 30, max_num_seqs=64, **engine_options(a))  # fmt: skip
-    model, samples = calibrate(config, a.episodes, a.seed, a.parallel, _machine(), a.loras)
+    if a.from_step_logs:
+        model, samples = from_step_logs(a.from_step_logs, f"{_machine()}, in a server")
+        # The logged servers may have had no RAM tier: its cost is probed on their engine.
+        m = model.meta
+        if not _same_model(m["model"], a.model):
+            raise ValueError(f"the step logs are of {m['model']}: give it with --model")
+        config = replace(config, dtype=m["dtype"], num_threads=m["threads"],
+                         block_size=m["block_size"],
+                         max_num_batched_tokens=m["max_num_batched_tokens"])  # fmt: skip
+        probes = probe_restores(config, a.seed)
+        model.restore_s_per_block = restore_cost(model, probes, config.block_size)
+    else:
+        model, samples = calibrate(config, a.episodes, a.seed, a.parallel, _machine(), a.loras)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save(out / "step-cost.json")
@@ -750,5 +777,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         f"{err['median_rel_error']:.1%}, mean {err['mean_rel_error']:.1%}, "
         f"p90 {err['p90_rel_error']:.1%}; summed time {err['total_time_error']:.1%}"
     )
+    if a.from_step_logs:
+        print(f"between two busy steps (the serving loop): "
+              f"{model.serving_step_overhead_s * 1000:.2f} ms mean, added to every step "
+              f"({model.meta['busy_gaps']} gaps)")  # fmt: skip
     print(f"restore from the RAM tier: {model.restore_s_per_block * 1000:.2f} ms per block")
     return 0

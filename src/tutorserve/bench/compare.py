@@ -39,11 +39,14 @@ def run_compare(
     dtype: str = "auto",
     max_concurrency: int | None = None,
     kill_replica_after: float | None = None,  # seconds into each timed run (faults.py)
+    step_logs: bool = False,  # our servers' engine steps, under out/steps/<system>
     **workload: Any,
 ) -> list[dict]:
     results = []
     for name in systems:
-        system = make_system(name, ServeSpec(files, port, max_num_seqs, kv_cache_gb, dtype))
+        steps = str(out / "steps" / name) if step_logs else None
+        spec = ServeSpec(files, port, max_num_seqs, kv_cache_gb, dtype, step_log_dir=steps)
+        system = make_system(name, spec)
         if system.missing:
             log.warning("skipping %s: not installed (%s)", name, system.missing)
             continue

@@ -69,6 +69,7 @@ class ServeSpec:
     max_num_seqs: int
     kv_cache_gb: float = 1.0
     dtype: str = "auto"
+    step_log_dir: str | None = None  # ours only: its engines' step logs (engine/step_log.py)
 
     @property
     def listen(self) -> list[str]:
@@ -95,6 +96,8 @@ def tutorserve_server(
         extra += ["--quantization", quantization]
     if replicas:  # engines on Ray Serve, one thread each by default
         extra += ["--replicas", str(replicas), "--routing", routing]
+    if s.step_log_dir is not None:
+        extra += ["--step-log-dir", s.step_log_dir]
     if disagg is not None:  # needs the disk tier: its blocks move through it
         extra += ["--prefill-replicas", str(disagg[0]), "--decode-replicas", str(disagg[1]),
                   "--routing", routing]  # fmt: skip

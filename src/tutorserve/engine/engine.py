@@ -15,28 +15,18 @@ from tutorserve.engine.kv_cache_manager import KVCacheManager
 from tutorserve.engine.kv_tiers import TieredKVStore, model_fingerprint
 from tutorserve.engine.model_runner import ModelRunner
 from tutorserve.engine.outputs import RequestMetrics, RequestOutput, TokenLogprob
-from tutorserve.engine.scheduler import Scheduler, StepShape
+from tutorserve.engine.scheduler import Scheduler
 from tutorserve.engine.sequence import Sequence, SequenceStatus
 from tutorserve.engine.stats import EngineStats, SpecCounters
+from tutorserve.engine.step_log import StepLogFile, StepRecord
 from tutorserve.lora.manager import LoRAManager
 from tutorserve.models.loader import load_model, load_model_config
+from tutorserve.quant.layers import dequantizing_rows
 from tutorserve.sampling_params import SamplingParams
 from tutorserve.spec import DraftProposer, Proposer, draft_model_name, proposer_named, scope_key
 from tutorserve.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepRecord:
-    num_seqs: int
-    num_tokens: int
-    all_decode: bool
-    step_s: float
-    forward_s: float  # model forward + logits; the rest of step_s is engine overhead
-    num_running: int
-    num_used_blocks: int
-    shape: StepShape
 
 
 @dataclass(slots=True)
@@ -114,9 +104,17 @@ class LLMEngine:
         self.spec = SpecCounters()
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
-        # Set to a list to record one StepRecord per step (benchmarks, profiling).
-        self.step_log: list[StepRecord] | None = None
+        # A list records one StepRecord per step (benchmarks, profiling); a file writes them.
+        self.step_log: list[StepRecord] | StepLogFile | None = None
+        if config.step_log_dir:
+            header = {"model": config.model, "dtype": config.dtype, "threads": config.num_threads,
+                      "block_size": bs, "max_num_batched_tokens": config.max_num_batched_tokens,
+                      "dequant_rows": dequantizing_rows(self.model)}  # fmt: skip
+            self.step_log = StepLogFile(config.step_log_dir, header)
         self.num_steps, self.step_seconds = 0, 0.0
+        # When the last logged step ended with requests left: the time until the next step
+        # starts is the serving loop's, not idle time.
+        self._busy_end: float | None = None
 
     def _lora_manager(self) -> LoRAManager | None:
         cfg = self.config
@@ -196,6 +194,8 @@ class LLMEngine:
         """Finish the KV tiers' pending disk writes (so a restart finds them)."""
         if self.store is not None:
             self.store.close()
+        if isinstance(self.step_log, StepLogFile):
+            self.step_log.close()
 
     def _max_model_len(self, capacity: int) -> int:
         limit = self.model.config.max_position_embeddings
@@ -325,8 +325,10 @@ class LLMEngine:
                     num_running=running,
                     num_used_blocks=used_blocks,
                     shape=shape,
+                    gap_s=None if self._busy_end is None else start - self._busy_end,
                 )
             )
+            self._busy_end = time.perf_counter() if self.has_unfinished() else None
         return outputs
 
     def _emit(

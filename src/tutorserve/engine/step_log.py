@@ -1,0 +1,102 @@
+"""The engine's step log: each step's shape and wall time, kept in memory (benchmarks, profiling)
+or written as JSON lines (`--step-log-dir`), so that the step-cost model can be calibrated on the
+steps an engine ran inside a server (`bench calibrate --from-step-logs`), where the serving path
+and other replicas share its cores, and not only on an engine alone.
+
+A log file's first line is a header (the settings a step-cost model records, and the tokens per
+step above which the weights are dequantized); each further line is one step. Logs kept for later
+may be gzipped (`steps-*.jsonl.gz`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tutorserve.engine.scheduler import StepShape
+
+log = logging.getLogger(__name__)
+_ENGINES = itertools.count()  # engines of this process that opened a log
+
+
+@dataclass(slots=True)
+class StepRecord:
+    num_seqs: int
+    num_tokens: int
+    all_decode: bool
+    step_s: float
+    forward_s: float  # model forward + logits; the rest of step_s is engine overhead
+    num_running: int
+    num_used_blocks: int
+    shape: StepShape
+    # Since the previous step ended with requests left (None: it left none, or is not known):
+    # the time the loop around the engine (a server's) takes between two busy steps.
+    gap_s: float | None = None
+
+
+class StepLogFile:
+    """Writes each step to DIR/steps-<pid>-<n>.jsonl: one file per engine, so replicas sharing a
+    folder (or engines sharing a process) do not interleave. Line-buffered, so a server stopped
+    by a signal keeps every step."""
+
+    def __init__(self, folder: str | Path, header: dict[str, Any]) -> None:
+        folder = Path(folder).expanduser()
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"steps-{os.getpid()}-{next(_ENGINES)}.jsonl"
+        self._file = self.path.open("w", buffering=1)
+        self._file.write(json.dumps({"header": {**header, "date": time.strftime("%Y-%m-%d %H:%M")}})
+                         + "\n")  # fmt: skip
+
+    def append(self, record: StepRecord) -> None:
+        shape = asdict(record.shape)
+        entry = {"shape": shape, "seconds": record.step_s, "gap": record.gap_s}
+        self._file.write(json.dumps(entry) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_step_logs(
+    paths: Iterable[str | Path],
+) -> tuple[list[dict], list[tuple[StepShape, float, float | None]]]:
+    """The headers and the steps (shape, seconds, gap before it) of step-log files (folders:
+    every steps-*.jsonl and steps-*.jsonl.gz in them)."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise ValueError(f"{p}: no such step log or folder")
+        files += sorted(p.glob("steps-*.jsonl*")) if p.is_dir() else [p]
+    if not files:
+        raise ValueError("no step logs found (steps-*.jsonl, written by --step-log-dir)")
+    headers, steps = [], []
+    for f in files:
+        data = f.read_bytes()
+        try:
+            lines = (gzip.decompress(data) if f.suffix == ".gz" else data).decode().splitlines()
+        except (OSError, EOFError, UnicodeDecodeError) as e:
+            raise ValueError(f"{f}: not a step log ({e})") from None
+        for n, line in enumerate(lines):
+            try:
+                entry = json.loads(line)
+                if "header" in entry:
+                    headers.append(entry["header"])
+                    continue
+                s = entry["shape"]
+                rows = tuple((int(a), int(b)) for a, b in s["rows"])
+                shape = StepShape(rows, int(s["num_adapters"]), int(s["lora_tokens"]))
+                gap = entry.get("gap")  # absent: logged before gaps were (2026-12-05)
+                steps.append((shape, float(entry["seconds"]), None if gap is None else float(gap)))
+            except (ValueError, KeyError, TypeError) as e:
+                if n == len(lines) - 1:  # the engine was killed mid-line
+                    log.warning("%s: last line cut short, skipped", f)
+                    continue
+                raise ValueError(f"{f}:{n + 1}: not a step-log line ({e})") from None
+    return headers, steps
