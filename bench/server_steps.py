@@ -27,7 +27,7 @@ from tutorserve.bench.serving_metrics import SLO
 from tutorserve.bench.step_cost import StepCostModel
 from tutorserve.bench.systems import ModelFiles, RunningServer, ServeSpec, tutorserve_server
 from tutorserve.engine.scheduler import StepShape
-from tutorserve.engine.step_log import read_step_logs
+from tutorserve.engine.step_log import LoggedStep, read_step_logs
 from tutorserve.models.loader import load_tokenizer
 from tutorserve.models.registry import resolve
 
@@ -43,16 +43,16 @@ def _kind(shape: StepShape, dequant_rows: int | None) -> str:
 
 
 def compare(
-    steps: list[tuple[StepShape, float, float | None]],
+    steps: list[LoggedStep],
     cost: StepCostModel,
     dequant_rows: int | None,
 ) -> dict[str, dict[str, float]]:
     """Per kind of step (dequantizing ones apart when `dequant_rows` is given): the count, the
     measured and predicted sums, the median error per step."""
     by_kind: dict[str, list[tuple[float, float]]] = {}
-    for shape, seconds, _ in steps:
-        pair = (cost.step_seconds(shape), seconds)
-        by_kind.setdefault(_kind(shape, dequant_rows), []).append(pair)
+    for step in steps:
+        pair = (cost.step_seconds(step.shape), step.seconds)
+        by_kind.setdefault(_kind(step.shape, dequant_rows), []).append(pair)
     by_kind["all"] = [p for pairs in list(by_kind.values()) for p in pairs]
     return {
         kind: {

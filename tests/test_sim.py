@@ -56,6 +56,18 @@ def test_one_request_chunked_prefill():
     assert req.finish == req.first_token
 
 
+def test_a_replica_steps_slower_while_another_one_steps():
+    # Two replicas on one host, a step 1.5× as long when it starts beside the other's: b's
+    # 100-token prefill starts at 0.05 s, inside a's (0 to 0.11 s); a's started alone.
+    sim = _sim(n=2)
+    for r in sim.replicas:
+        r.cost.sibling_busy_factor = 1.5
+    a, b = sim.run([_one_turn(list(range(100)), 1, 0.0),
+                    _one_turn(list(range(200, 300)), 1, 0.05)]).requests  # fmt: skip
+    assert a.first_token == pytest.approx(0.110)
+    assert b.first_token - b.arrival == pytest.approx(0.110 * 1.5)
+
+
 def test_two_requests_sharing_a_prefix():
     shared = list(range(64))  # 4 full blocks
     sim = _sim()
@@ -314,9 +326,12 @@ def test_an_engine_logs_every_step_it_runs(tmp_path, synth_llama):
     assert len(steps) == engine.num_steps
     assert steps[0][0].rows == ((5, 0), (9, 0))  # both prompts, nothing cached before
     assert steps[1][0].rows == ((1, 5), (1, 9))
-    assert sum(s for _, s, _ in steps) == pytest.approx(engine.step_seconds)
+    assert sum(s.seconds for s in steps) == pytest.approx(engine.step_seconds)
     # The first step follows no busy one; each later one does (here the loop is a while).
-    assert steps[0][2] is None and all(0 <= gap < 0.5 for _, _, gap in steps[1:])
+    assert steps[0].gap_s is None and all(0 <= s.gap_s < 0.5 for s in steps[1:])
+    # Steps start in order, each after the one before has run (wall clock: 1 ms of slack).
+    starts = [s.started_at for s in steps]
+    assert all(b > a + s.seconds - 1e-3 for a, b, s in zip(starts, starts[1:], steps, strict=False))
 
 
 def _write_log(folder, header, shapes, cost, gap=None):
@@ -328,6 +343,40 @@ def _write_log(folder, header, shapes, cost, gap=None):
                               shape, gap))  # fmt: skip
     log.close()
     return log.path
+
+
+def test_calibrating_on_replicas_step_logs_recovers_how_much_slower_they_run_together(
+    tmp_path, synth_llama
+):
+    from tutorserve.bench.calibrate import from_step_logs
+    from tutorserve.engine.step_log import StepLogFile, StepRecord
+
+    rng = random.Random(2)
+    truth = _cost(rows=0.002, decode_kv=1e-6)
+    header = {"model": synth_llama, "dtype": "float32", "threads": 1, "block_size": 16,
+              "max_num_batched_tokens": 2048, "dequant_rows": None}  # fmt: skip
+    logs = [StepLogFile(tmp_path / "x2", header) for _ in range(2)]
+    # Two replicas stepping on one clock, the second 200 steps from 60 s on (the first 600 from
+    # 0): a step that starts inside the other's current step takes 1.4× its time alone.
+    clock, left, current = [100.0, 160.0], [600, 200], [(0.0, 0.0), (0.0, 0.0)]
+    while any(left):
+        e = min((i for i in (0, 1) if left[i]), key=lambda i: clock[i])
+        left[e] -= 1
+        shape = StepShape(tuple((rng.choice([1, 1, rng.randint(2, 200)]), rng.randint(0, 1500))
+                                for _ in range(rng.randint(1, 24))))  # fmt: skip
+        start, (o_start, o_end) = clock[e], current[1 - e]
+        busy = o_start <= start < o_end
+        seconds = truth.step_seconds(shape) * (1.4 if busy else 1.0)
+        logs[e].append(StepRecord(len(shape.rows), 0, False, seconds, 0.0, 0, 0, shape,
+                                  started_at=start))  # fmt: skip
+        current[e], clock[e] = (start, start + seconds), start + seconds + rng.uniform(0, 0.03)
+    for f in logs:
+        f.close()
+    model, _ = from_step_logs([str(tmp_path / "x2")], "test")
+    assert 100 < model.meta["sibling_busy_steps"] < 700  # both kinds of step are there
+    assert model.sibling_busy_factor == pytest.approx(1.4)
+    assert model.coef == pytest.approx(truth.coef, abs=1e-9)
+    assert model.error["median_rel_error"] == pytest.approx(0, abs=1e-9)
 
 
 def test_calibrating_on_step_logs_recovers_the_server_steps_cost(tmp_path, capsys, synth_llama):

@@ -15,6 +15,7 @@ replicas share the engine's cores, which an engine calibrated alone does not see
 
 from __future__ import annotations
 
+import bisect
 import logging
 import random
 import statistics
@@ -31,7 +32,7 @@ from tqdm import tqdm
 from tutorserve.bench.step_cost import StepCostModel
 from tutorserve.config import EngineConfig
 from tutorserve.engine.scheduler import StepShape
-from tutorserve.engine.step_log import read_step_logs
+from tutorserve.engine.step_log import LoggedStep, read_step_logs
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
 from tutorserve.quant.layers import dequantizing_rows
@@ -70,6 +71,7 @@ class Sample:
     shape: StepShape
     seconds: float
     held_out: bool
+    sibling_busy: bool = False  # it started while another replica of the host was stepping
 
 
 def _run_episode(engine: Any, ep: Episode, rng: random.Random, tag: str) -> None:
@@ -212,13 +214,33 @@ def _calibrate(
 _HELD_OUT_RUN = 50  # steps held out together: a step's neighbours are near twins of it
 
 
+def _sibling_busy(logged: list[LoggedStep]) -> list[bool]:
+    """Per step: did it start while another engine's step was running (all False without start
+    times)? Engines of one host log on one wall clock."""
+    if any(step.started_at is None for step in logged):
+        return [False] * len(logged)
+    runs: dict[int, list[tuple[float, float]]] = {}
+    for step in logged:
+        runs.setdefault(step.engine, []).append((step.started_at, step.started_at + step.seconds))
+    for spans in runs.values():
+        spans.sort()
+    starts = {e: [a for a, _ in spans] for e, spans in runs.items()}
+
+    def running(engine: int, t: float) -> bool:
+        i = bisect.bisect_right(starts[engine], t) - 1
+        return i >= 0 and runs[engine][i][1] > t
+
+    return [any(running(e, step.started_at) for e in runs if e != step.engine) for step in logged]
+
+
 def from_step_logs(paths: list[str], source: str) -> tuple[StepCostModel, list[Sample]]:
     """The step-cost model fitted on logged steps, every fourth run of 50 steps held out, with
     the mean time between two busy steps (the serving loop's, measured) as the time serving adds
-    to each step."""
+    to each step. Replicas that logged side by side also give the factor by which a step is
+    longer when another replica is stepping: the form is fitted on the steps that ran alone,
+    the factor is the others' measured time over that form's."""
     headers, logged = read_step_logs(paths)
-    steps = [(shape, s) for shape, s, _ in logged]
-    gaps = [g for _, _, g in logged if g is not None]
+    gaps = [step.gap_s for step in logged if step.gap_s is not None]
     keys = ("model", "dequant_rows", "threads", "block_size", "max_num_batched_tokens")
     if any(k not in h for h in headers for k in (*keys, "dtype", "date")):
         raise ValueError(f"a step log's header lacks the engine's settings ({', '.join(keys)}, "
@@ -227,22 +249,30 @@ def from_step_logs(paths: list[str], source: str) -> tuple[StepCostModel, list[S
     if len(kinds) != 1:
         settings = "; ".join(str(dict(zip(keys, k, strict=True))) for k in kinds)
         raise ValueError(f"the step logs come from engines of different settings: {settings}")
-    samples = [Sample(shape, s, i // _HELD_OUT_RUN % 4 == 3) for i, (shape, s) in enumerate(steps)]
+    busy = _sibling_busy(logged)
+    samples = [Sample(step.shape, step.seconds, i // _HELD_OUT_RUN % 4 == 3, busy[i])
+               for i, step in enumerate(logged)]  # fmt: skip
     fit = [s for s in samples if not s.held_out]
     test = [s for s in samples if s.held_out]
     if not fit or not test:
-        raise ValueError(f"{len(steps)} logged steps are too few to fit and hold out (need > "
+        raise ValueError(f"{len(samples)} logged steps are too few to fit and hold out (need > "
                          f"{3 * _HELD_OUT_RUN})")  # fmt: skip
+    alone = [s for s in fit if not s.sibling_busy] or fit
     header = headers[0]
     meta = {k: header.get(k) for k in ("model", "dtype", "threads", "block_size",
                                        "max_num_batched_tokens")}  # fmt: skip
     meta |= {"engines": len(headers), "step_logs": [str(p) for p in paths],
              "date": max(h["date"] for h in headers)}  # fmt: skip
-    model = StepCostModel.fit([s.shape for s in fit], [s.seconds for s in fit],
+    model = StepCostModel.fit([s.shape for s in alone], [s.seconds for s in alone],
                               header.get("dequant_rows"), source=source, meta=meta)  # fmt: skip
-    model.error = model.held_out_error([s.shape for s in test], [s.seconds for s in test])
+    beside = [s for s in fit if s.sibling_busy]
+    if beside and alone is not fit:
+        predicted = sum(model.step_seconds(s.shape) for s in beside)
+        model.sibling_busy_factor = sum(s.seconds for s in beside) / predicted
+    model.error = model.held_out_error([s.shape for s in test], [s.seconds for s in test],
+                                       [s.sibling_busy for s in test])  # fmt: skip
     model.serving_step_overhead_s = statistics.fmean(gaps) if gaps else 0.0
-    model.meta["busy_gaps"] = len(gaps)
+    model.meta |= {"busy_gaps": len(gaps), "sibling_busy_steps": sum(busy)}
     return model, samples
 
 
@@ -261,7 +291,7 @@ def plot(model: StepCostModel, samples: list[Sample], path: Path) -> None:
         decodes = sum(n == 1 for n, _ in s.shape.rows)
         kind = ("decode only" if decodes == len(s.shape.rows) else
                 "prefill only" if decodes == 0 else "mixed")  # fmt: skip
-        kinds[kind].append((s.seconds * 1000, model.step_seconds(s.shape) * 1000))
+        kinds[kind].append((s.seconds * 1000, model.step_seconds(s.shape, s.sibling_busy) * 1000))
     for kind, pts in kinds.items():
         if pts:
             ax.scatter(*zip(*pts, strict=True), s=8, alpha=0.6, label=kind)

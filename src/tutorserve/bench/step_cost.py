@@ -89,10 +89,16 @@ class StepCostModel:
     # Tokens per step above which the weights are dequantized (`quant.layers.dequantizing_rows`
     # of the calibrated model); None: not quantized, no step pays it.
     dequant_rows: int | None = None
+    # Replicas sharing one host (fitted on their step logs): a step that starts while another
+    # replica is stepping takes this many times as long (cores, memory bandwidth, the serving
+    # processes of both); 1 for one engine, or a host of its own.
+    sibling_busy_factor: float = 1.0
 
-    def step_seconds(self, shape: StepShape) -> float:
-        cost = np.dot(self.coef, features(shape, self.dequant_rows))
-        return float(cost) + self.serving_step_overhead_s
+    def step_seconds(self, shape: StepShape, sibling_busy: bool = False) -> float:
+        cost = float(np.dot(self.coef, features(shape, self.dequant_rows)))
+        if sibling_busy:
+            cost *= self.sibling_busy_factor
+        return cost + self.serving_step_overhead_s
 
     @classmethod
     def fit(
@@ -102,8 +108,11 @@ class StepCostModel:
         coef = fit_nonnegative(x, np.array(seconds))
         return cls(coef.tolist(), True, dequant_rows=dequant_rows, **kw)
 
-    def held_out_error(self, shapes: list[StepShape], seconds: list[float]) -> dict[str, float]:
-        pred = np.array([self.step_seconds(s) for s in shapes])
+    def held_out_error(
+        self, shapes: list[StepShape], seconds: list[float], sibling_busy: list[bool] | None = None
+    ) -> dict[str, float]:
+        busy = sibling_busy or [False] * len(shapes)
+        pred = np.array([self.step_seconds(s, b) for s, b in zip(shapes, busy, strict=True)])
         y = np.array(seconds)
         rel = np.abs(pred - y) / y
         return {

@@ -278,7 +278,7 @@ class LLMEngine:
     # ---- the loop -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduling step; outputs of the requests that produced a token in it."""
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.time()
         batch = self.scheduler.schedule()
         failed = [self._fail(seq) for seq in self.scheduler.failed]
         if self.proposer is not None:
@@ -326,6 +326,7 @@ class LLMEngine:
                     num_used_blocks=used_blocks,
                     shape=shape,
                     gap_s=None if self._busy_end is None else start - self._busy_end,
+                    started_at=started_at,
                 )
             )
             self._busy_end = time.perf_counter() if self.has_unfinished() else None

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tutorserve.engine.scheduler import StepShape
 
@@ -40,6 +40,16 @@ class StepRecord:
     # Since the previous step ended with requests left (None: it left none, or is not known):
     # the time the loop around the engine (a server's) takes between two busy steps.
     gap_s: float | None = None
+    # Wall-clock start (time.time()): lines up the steps of engines in other processes.
+    started_at: float | None = None
+
+
+class LoggedStep(NamedTuple):
+    shape: StepShape
+    seconds: float
+    gap_s: float | None
+    started_at: float | None  # None: logged before starts were (2026-12-05)
+    engine: int  # which log file, in the order read
 
 
 class StepLogFile:
@@ -57,18 +67,17 @@ class StepLogFile:
 
     def append(self, record: StepRecord) -> None:
         shape = asdict(record.shape)
-        entry = {"shape": shape, "seconds": record.step_s, "gap": record.gap_s}
+        entry = {"shape": shape, "seconds": record.step_s, "gap": record.gap_s,
+                 "start": record.started_at}  # fmt: skip
         self._file.write(json.dumps(entry) + "\n")
 
     def close(self) -> None:
         self._file.close()
 
 
-def read_step_logs(
-    paths: Iterable[str | Path],
-) -> tuple[list[dict], list[tuple[StepShape, float, float | None]]]:
-    """The headers and the steps (shape, seconds, gap before it) of step-log files (folders:
-    every steps-*.jsonl and steps-*.jsonl.gz in them)."""
+def read_step_logs(paths: Iterable[str | Path]) -> tuple[list[dict], list[LoggedStep]]:
+    """The headers and the steps of step-log files (folders: every steps-*.jsonl and
+    steps-*.jsonl.gz in them)."""
     files: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
@@ -77,7 +86,7 @@ def read_step_logs(
     if not files:
         raise ValueError("no step logs found (steps-*.jsonl, written by --step-log-dir)")
     headers, steps = [], []
-    for f in files:
+    for engine, f in enumerate(files):
         data = f.read_bytes()
         try:
             lines = (gzip.decompress(data) if f.suffix == ".gz" else data).decode().splitlines()
@@ -92,11 +101,17 @@ def read_step_logs(
                 s = entry["shape"]
                 rows = tuple((int(a), int(b)) for a, b in s["rows"])
                 shape = StepShape(rows, int(s["num_adapters"]), int(s["lora_tokens"]))
-                gap = entry.get("gap")  # absent: logged before gaps were (2026-12-05)
-                steps.append((shape, float(entry["seconds"]), None if gap is None else float(gap)))
+                # Absent: logged before gaps and starts were (2026-12-05).
+                gap, start = (entry.get(k) for k in ("gap", "start"))
+                steps.append(LoggedStep(shape, float(entry["seconds"]), _number(gap),
+                                        _number(start), engine))  # fmt: skip
             except (ValueError, KeyError, TypeError) as e:
                 if n == len(lines) - 1:  # the engine was killed mid-line
                     log.warning("%s: last line cut short, skipped", f)
                     continue
                 raise ValueError(f"{f}:{n + 1}: not a step-log line ({e})") from None
     return headers, steps
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -120,15 +120,16 @@ class SimReplica:
         hashes = extend_block_hashes([], tokens, self.spec.block_size)
         self.tier.keep_session([(-1, h) for h in hashes])
 
-    def start_step(self, now: float) -> float | None:
-        """Schedule a step at `now`; its predicted duration (None: nothing to run)."""
+    def start_step(self, now: float, sibling_busy: bool = False) -> float | None:
+        """Schedule a step at `now`, another replica stepping or not; its predicted duration
+        (None: nothing to run)."""
         self.clock[0] = now
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return None
         self._batch = list(zip(batch.seqs, batch.num_tokens, strict=True))
         self.busy = True
-        seconds = self.cost.step_seconds(batch.shape())
+        seconds = self.cost.step_seconds(batch.shape(), sibling_busy)
         if self.tier is not None:
             seconds += self.tier.take_restored()
         used = self.kv.num_used_blocks

@@ -160,7 +160,10 @@ class Simulation:
         return result
 
     def _step(self, replica: SimReplica, now: float) -> None:
-        seconds = replica.start_step(now)
+        # Replicas simulated side by side share a host as the calibrated ones did (a factor of
+        # 1 where the calibration had one engine).
+        sibling_busy = any(r.busy for r in self.replicas + self.decode if r is not replica)
+        seconds = replica.start_step(now, sibling_busy)
         if seconds is not None:
             self._push(now + seconds, "step", replica)
 
