@@ -104,6 +104,7 @@ class Simulation:
         self.routing = routing
         self.decode = decode or []
         self.transfer_s_per_token = transfer_s_per_token
+        self._everyone = self.replicas + self.decode  # for whether a replica's siblings step
         self.block_size = replicas[0].spec.block_size
         self._events: list[tuple[float, int, str, Any]] = []
         self._order = itertools.count()
@@ -162,7 +163,7 @@ class Simulation:
     def _step(self, replica: SimReplica, now: float) -> None:
         # Replicas simulated side by side share a host as the calibrated ones did (a factor of
         # 1 where the calibration had one engine).
-        sibling_busy = any(r.busy for r in self.replicas + self.decode if r is not replica)
+        sibling_busy = any(r.busy for r in self._everyone if r is not replica)
         seconds = replica.start_step(now, sibling_busy)
         if seconds is not None:
             self._push(now + seconds, "step", replica)
