@@ -132,7 +132,7 @@ def test_rows_verifying_drafts(cpu_isa, llama32, fused_calls, dtype):
 
     def make() -> LLM:
         return LLM(llama32, dtype=dtype, quantization="int4", speculative="ngram",
-                   num_speculative_tokens=4)  # fmt: skip
+                   num_speculative_tokens=4, speculative_backoff="fixed")  # fmt: skip
 
     prompts = [[5, 6, 7, 8, 9] * 6, list(range(40, 52)) * 3, [70, 71] * 10]
     # Long enough for the replies to repeat themselves, which the n-gram proposer drafts

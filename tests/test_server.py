@@ -415,7 +415,8 @@ def test_speculative_decoding_over_http_matches_and_is_counted(synth_llama):
     want = LLM(synth_llama, dtype="float32").generate(
         [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     )[0]
-    server = start_server(synth_llama, "--dtype", "float32", "--speculative", "suffix")
+    args = ["--dtype", "float32", "--speculative", "suffix", "--speculative-backoff", "fixed"]
+    server = start_server(synth_llama, *args)
     try:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, **NO_EOS}
         r = httpx.post(server.url + COMPLETIONS_PATH, json=body, timeout=60)

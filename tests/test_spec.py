@@ -24,6 +24,7 @@ SPEC = {
     "speculative": "ngram",
     "num_speculative_tokens": 4,
     "speculative_disable_by_batch_size": 64,
+    "speculative_backoff": "fixed",
 }
 
 
@@ -214,14 +215,16 @@ def test_verification_keeps_the_sampling_distribution(draft):
         assert chi2 < CHI2_5DF_P001, (counts, expected)
 
 
-def test_seeded_sampling_with_speculation_is_reproducible(synth_llama, mixed_prompts):
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=30, ignore_eos=True)
-    runs = [
-        [o.token_ids for o in LLM(synth_llama, dtype="float32", **SPEC).generate(
-            mixed_prompts[:4], params)]
-        for _ in range(2)
-    ]  # fmt: skip
-    assert runs[0] == runs[1]
+def test_seeded_sampling_gives_the_same_tokens_with_speculation(synth_llama, mixed_prompts):
+    """A seeded token's noise follows its position, so speculating, whatever it drafts and
+    keeps, gives the tokens plain sampling gives."""
+    params = SamplingParams(temperature=0.5, seed=7, max_tokens=30, ignore_eos=True)
+    plain = LLM(synth_llama, dtype="float32").generate(mixed_prompts, params)
+    llm = LLM(synth_llama, dtype="float32", **SPEC)
+    outs = llm.generate(mixed_prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    spec = llm.engine.stats().spec
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
 
 
 def test_scopes_follow_the_name_else_the_prompt_start_and_never_cross_adapters():

@@ -21,7 +21,11 @@ from tutorserve.models.synth import SynthSpec, synth_model
 from tutorserve.spec import DraftProposer, SpeculativeChoices, draft_model_name
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-SPEC = {"num_speculative_tokens": 4, "speculative_disable_by_batch_size": 64}
+SPEC = {
+    "num_speculative_tokens": 4,
+    "speculative_disable_by_batch_size": 64,
+    "speculative_backoff": "fixed",
+}
 F32 = (torch.float32, torch.float32, torch.device("cpu"))  # model, KV, device
 
 

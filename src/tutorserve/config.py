@@ -145,6 +145,11 @@ class EngineConfig:
     speculative_disable_by_batch_size: int = _option(
         8, Flag("running requests above which speculation pauses", _SPEC)
     )
+    # Below that ceiling, by policy name (spec/backoff.py: "fixed" drafts always, "measured"
+    # while steps with drafts cost less per output token than steps without, as measured).
+    speculative_backoff: str = _option(
+        "measured", Flag("when to draft below that ceiling: fixed or measured", _SPEC)
+    )
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -125,7 +125,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--students", type=int, default=4, help="concurrent students per course")
     p.add_argument("--problems", type=int, default=3, help="problems each student works through")
     add_engine_args(p, only=("quantization", "speculative", "num_speculative_tokens",
-                             "speculative_disable_by_batch_size"),
+                             "speculative_disable_by_batch_size", "speculative_backoff"),
                     choices={"speculative": SpeculativeChoices()})  # fmt: skip
     p.add_argument("--out", default="bench-results/tutor")
     p.set_defaults(func=cmd_tutor)
@@ -157,7 +157,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=96)
     add_engine_args(p, only=("quantization", "num_speculative_tokens",
-                             "speculative_disable_by_batch_size"))  # fmt: skip
+                             "speculative_disable_by_batch_size",
+                             "speculative_backoff"))  # fmt: skip
     p.add_argument("--out", default="bench-results/spec")
     p.set_defaults(func=cmd_spec)
 

@@ -24,6 +24,7 @@ from tutorserve.models.loader import load_model, load_model_config
 from tutorserve.quant.layers import dequantizing_rows
 from tutorserve.sampling_params import SamplingParams
 from tutorserve.spec import DraftProposer, Proposer, draft_model_name, proposer_named, scope_key
+from tutorserve.spec.backoff import backoff_named
 from tutorserve.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,12 @@ class LLMEngine:
         spec = config.speculative
         draft = draft_model_name(spec) if spec else None
         self.proposer: Proposer | None = proposer_named(spec) if spec and not draft else None
+        self.backoff = backoff_named(
+            config.speculative_backoff, config.speculative_disable_by_batch_size
+        )
+        # The last drafting decision, for the step that follows it: (running requests, whether
+        # it drafted, the proposer's seconds).
+        self._decision: tuple[int, bool, float] | None = None
         self.model, self.tokenizer = load_model(
             config.model, self.dtype, self.device, config.quantization
         )
@@ -293,6 +300,10 @@ class LLMEngine:
             return []
         used_blocks, running = self.kv.num_used_blocks, len(self.scheduler.running)
         shape = batch.shape() if self.step_log is not None else None
+        decode_only = all(
+            n == 1 + len(seq.spec_token_ids)
+            for seq, n in zip(batch.seqs, batch.num_tokens, strict=True)
+        )
         result = self.runner.run(batch)
         now = time.monotonic()
         for seq, entries in result.prompt_logprobs:
@@ -310,7 +321,7 @@ class LLMEngine:
         ]
         outputs += failed
         if self.proposer is not None:
-            self._propose()
+            self._speculate(start, decode_only, sum(len(t) for t in result.tokens))
         elapsed = time.perf_counter() - start
         self.num_steps += 1
         self.step_seconds += elapsed
@@ -355,12 +366,22 @@ class LLMEngine:
                 self.kv.trim(seq)
         return out
 
+    def _speculate(self, start: float, decode_only: bool, tokens: int) -> None:
+        """Tell the back-off what its last decision cost (a decode step's time and the
+        proposer's before it, for the step's output tokens), then decide for the next step."""
+        if self._decision is not None and decode_only:
+            running, drafted, propose_s = self._decision
+            self.backoff.observe(running, drafted, propose_s + time.perf_counter() - start, tokens)
+        running = len(self.scheduler.running)
+        drafted = self.backoff.should_draft(running)
+        t0 = time.perf_counter()
+        if drafted:
+            self._propose()
+        self._decision = (running, drafted, time.perf_counter() - t0)
+
     def _propose(self) -> None:
-        """Drafts for the next step, while the batch is small enough that verifying them is
-        cheaper than the steps they save."""
+        """Drafts for the next step's decode rows."""
         cfg, running = self.config, self.scheduler.running
-        if len(running) > cfg.speculative_disable_by_batch_size:
-            return
         rows, seqs = [], []
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.params.draftable:

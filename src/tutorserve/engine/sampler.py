@@ -2,11 +2,14 @@
 verification of drafted tokens (speculative decoding).
 
 Filtering is vectorised over the rows that sample; the final draw uses the exponential-race trick
-(argmax of p / Exp(1)), drawn from the request's own generator when it has a seed so its output
-does not depend on what else shares the batch.
+(argmax of p / Exp(1)). A request with a seed draws each token's noise from a generator seeded by
+the seed and the token's position: its output depends neither on what else shares the batch nor
+on whether, or how far, it speculated.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -20,30 +23,29 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default: torch.Generator)
     if rows:
         probs = _probs(logits[rows], [seqs[i] for i in rows])
         for j, i in enumerate(rows):
-            out[i] = _draw(probs[j], _generator(seqs[i], default))
+            out[i] = _draw(probs[j], _generator(seqs[i], len(seqs[i].token_ids), default))
     return out.tolist()
 
 
 def verify(logits: torch.Tensor, seq: Sequence, default: torch.Generator) -> list[int]:
     """The tokens a row with drafts emits: logits [1 + drafts, vocab] at its last token and at
-    each draft. Greedy: the drafts up to the first the model would not have picked, then the
-    model's pick there (or after the last draft). Sampling: speculative (rejection) sampling for
-    drafts from a deterministic proposer: draft d is kept with probability p(d), else the token
-    is drawn from p without d, renormalised; so every emitted token has the distribution plain
-    sampling gives it (Leviathan et al. 2023, with a one-hot draft distribution)."""
+    each draft. The drafts up to the first that differs from what plain decoding picks there,
+    then plain decoding's pick (or its pick after the last draft). With sampling, plain
+    decoding's pick is a draw with the position's noise: every emitted token is the one plain
+    sampling gives, so the distribution is unchanged, and with a seed the very tokens are. A
+    draft from a deterministic proposer is kept with probability p(draft), as rejection sampling
+    with a one-hot draft distribution keeps it (Leviathan et al. 2023)."""
     drafts = seq.spec_token_ids
     if seq.params.greedy:
         picks = logits.argmax(dim=-1).tolist()
-        n = next((j for j, d in enumerate(drafts) if d != picks[j]), len(drafts))
-        return [*drafts[:n], picks[n]]
-    probs = _probs(logits, [seq] * len(logits))
-    gen = _generator(seq, default)
-    for j, d in enumerate(drafts):
-        if torch.rand((), generator=gen, device=probs.device) >= probs[j, d]:
-            residual = probs[j].clone()
-            residual[d] = 0.0
-            return [*drafts[:j], _draw(residual, gen)]
-    return [*drafts, _draw(probs[-1], gen)]
+    else:
+        probs, picks, start = _probs(logits, [seq] * len(logits)), [], len(seq.token_ids)
+        for j in range(len(logits)):  # draws stop at the first pick that differs
+            picks.append(_draw(probs[j], _generator(seq, start + j, default)))
+            if j == len(drafts) or picks[j] != drafts[j]:
+                break
+    n = next((j for j, d in enumerate(drafts) if d != picks[j]), len(drafts))
+    return [*drafts[:n], picks[n]]
 
 
 def _probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -55,10 +57,14 @@ def _probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
-def _generator(seq: Sequence, default: torch.Generator) -> torch.Generator:
-    if seq.params.seed is not None and seq.generator is None:
-        seq.generator = torch.Generator(device=default.device).manual_seed(seq.params.seed)
-    return seq.generator or default
+def _generator(seq: Sequence, position: int, default: torch.Generator) -> torch.Generator:
+    """The noise of the token at `position`: from the request's seed and the position, when it
+    has a seed; else the engine's generator."""
+    if seq.params.seed is None:
+        return default
+    key = hashlib.blake2b(f"{seq.params.seed}:{position}".encode(), digest_size=8).digest()
+    seed = int.from_bytes(key, "little") >> 1  # manual_seed takes a non-negative int64
+    return torch.Generator(device=default.device).manual_seed(seed)
 
 
 def _draw(weights: torch.Tensor, gen: torch.Generator) -> int:

@@ -12,8 +12,6 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from tutorserve.engine.outputs import TokenLogprob
 from tutorserve.sampling_params import SamplingParams
 from tutorserve.structured import Matcher
@@ -55,7 +53,6 @@ class Sequence:
     num_bypassed: int = 0  # admissions of later arrivals while this one waited
     first_token_time: float | None = None
     finish_time: float | None = None
-    generator: torch.Generator | None = None
     # Drafted next tokens (speculative decoding), verified in its next step; not yet tokens.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_scope: bytes = b""  # requests of one scope draft from each other's outputs

@@ -1,6 +1,7 @@
 """Speculative decoding's proposers: each drafts the next few tokens of a decode row from what
 it has seen, for the engine to verify in one forward (several query tokens per row) and keep the
-longest prefix the model itself would have produced (`engine/sampler.py: verify`)."""
+longest prefix the model itself would have produced (`engine/sampler.py: verify`); and the
+back-off policies that say at which batch sizes drafting pays (`backoff.py`)."""
 
 from tutorserve.spec.draft import DraftProposer
 from tutorserve.spec.ngram import NgramProposer

@@ -1,0 +1,102 @@
+"""When to draft: verifying drafts pays while a step is memory-bound (one more query row costs
+little beside reading the weights) and stops paying once the batch makes it compute-bound. Where
+that happens depends on the model, its weights' format, the hardware and how many drafts the
+model keeps, so the engine asks a policy, chosen once by name:
+
+- `fixed`: draft while at most `limit` requests run (vLLM's `disable_by_batch_size`);
+- `measured`: below the same ceiling, compare what a step costs per output token with and
+  without drafts, at the batch size the engine runs now, and keep what is cheaper. Both are
+  measured as the engine goes (a two-armed bandit per batch-size bucket): the arm that loses is
+  still tried every `explore_every`-th step, so a change in acceptance or load is noticed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+class Backoff(ABC):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    @abstractmethod
+    def should_draft(self, running: int) -> bool:
+        """Whether the next step's decode rows get drafts, with `running` requests running."""
+
+    def observe(self, running: int, drafted: bool, seconds: float, tokens: int) -> None:  # noqa: B027
+        """A decode step ran `seconds` (with the proposer's time before it) for `tokens` output
+        tokens, with `running` requests, after `should_draft` said `drafted`."""
+
+
+class FixedBackoff(Backoff):
+    def should_draft(self, running: int) -> bool:
+        return running <= self.limit
+
+
+@dataclass(slots=True)
+class _Arm:
+    """Seconds per output token of one choice over its recent steps: decayed sums of seconds and
+    of tokens, whose ratio weighs a step by its tokens (a mean of per-step ratios would let the
+    steps that kept no draft, costly per token, count as much as those that kept them all)."""
+
+    DECAY = 0.9  # the last ~10 steps of this choice
+
+    samples: int = 0
+    seconds: float = 0.0
+    tokens: float = 0.0
+
+    def record(self, seconds: float, tokens: int) -> None:
+        self.samples += 1
+        self.seconds = self.DECAY * self.seconds + seconds
+        self.tokens = self.DECAY * self.tokens + tokens
+
+    @property
+    def per_token(self) -> float:
+        return self.seconds / self.tokens if self.tokens else 0.0
+
+
+@dataclass(slots=True)
+class _Bucket:
+    arms: tuple[_Arm, _Arm] = field(default_factory=lambda: (_Arm(), _Arm()))  # without, with
+    decisions: int = 0
+
+
+class MeasuredBackoff(Backoff):
+    WARMUP = 3  # steps each arm is measured before the averages decide
+
+    def __init__(self, limit: int, explore_every: int = 32) -> None:
+        super().__init__(limit)
+        self.explore_every = explore_every
+        self.buckets: dict[int, _Bucket] = {}
+
+    @staticmethod
+    def bucket(running: int) -> int:
+        # 1, 2–3, 4–7, 8–15, …: a step's cost per row changes little within one
+        return running.bit_length()
+
+    def should_draft(self, running: int) -> bool:
+        if running > self.limit:
+            return False
+        b = self.buckets.setdefault(self.bucket(running), _Bucket())
+        b.decisions += 1
+        without, with_ = b.arms
+        if min(without.samples, with_.samples) < self.WARMUP:
+            return with_.samples <= without.samples
+        better = with_.per_token < without.per_token
+        return better != (b.decisions % self.explore_every == 0)
+
+    def observe(self, running: int, drafted: bool, seconds: float, tokens: int) -> None:
+        if running > self.limit or tokens <= 0:
+            return
+        b = self.buckets.setdefault(self.bucket(running), _Bucket())
+        b.arms[drafted].record(seconds, tokens)
+
+
+BACKOFFS: dict[str, type[Backoff]] = {"fixed": FixedBackoff, "measured": MeasuredBackoff}
+
+
+def backoff_named(name: str, limit: int) -> Backoff:
+    if name not in BACKOFFS:
+        raise ValueError(f"speculative_backoff must be one of {', '.join(BACKOFFS)}, got {name!r}")
+    return BACKOFFS[name](limit)

@@ -1,0 +1,81 @@
+"""When to draft (spec/backoff.py): the measured policy against a step-cost model where drafting
+pays at small batches and not at large ones, and in the engine."""
+
+from __future__ import annotations
+
+from tutorserve import LLM, SamplingParams
+from tutorserve.spec.backoff import FixedBackoff, MeasuredBackoff, backoff_named
+
+K = 4  # drafts per row
+
+
+def _step(running: int, drafted: bool, accept: float) -> tuple[float, float]:
+    """(seconds, output tokens) of a decode step: 10 ms of weights, then 1 ms a query row;
+    with drafts every row verifies K and keeps `accept` of them."""
+    rows = running * (1 + K) if drafted else running
+    tokens = running * (1 + accept * K) if drafted else running
+    return 0.010 + 0.001 * rows, tokens
+
+
+def _run(backoff: MeasuredBackoff, running: int, steps: int, accept: float | list[float]) -> float:
+    """The share of `steps` decode steps that drafted; `accept` the share of drafts kept, or a
+    list of shares that the steps with drafts go through in turn."""
+    cycle = accept if isinstance(accept, list) else [accept]
+    drafted = 0
+    for _ in range(steps):
+        d = backoff.should_draft(running)
+        backoff.observe(running, d, *_step(running, d, cycle[drafted % len(cycle)]))
+        drafted += d
+    return drafted / steps
+
+
+def test_measured_backoff_drafts_where_drafts_pay_and_tries_the_other_choice_now_and_then():
+    backoff = MeasuredBackoff(limit=64, explore_every=32)
+    # batch 1: 14 ms for 3 tokens against 11 ms for 1; batch 32: 170 ms for 96 against 42 for 32
+    assert _run(backoff, 1, 320, accept=0.5) > 0.95
+    assert _run(backoff, 32, 320, accept=0.5) < 0.05
+    # both choices are still measured after the start, one step in 32
+    assert backoff.buckets[1].arms[0].samples >= 3 + 8
+    assert backoff.buckets[6].arms[1].samples >= 3 + 8
+    # acceptance falls to nothing: at batch 1 drafting now costs 40 % a token, and it stops
+    assert _run(backoff, 1, 320, accept=0.0) < 0.1
+    # above the ceiling nobody drafts, and steps there are not counted
+    assert _run(backoff, 65, 50, accept=1.0) == 0
+    assert 7 not in backoff.buckets
+
+
+def test_measured_backoff_weighs_steps_by_their_tokens():
+    """Batch 4, drafts all kept or all refused in turn: with drafts 60 ms for 24 tokens (2.5 ms
+    a token) against 3.5 without. A mean of per-step ratios, (7.5 + 1.5) / 2 = 4.5 ms, would
+    call drafting the loser."""
+    backoff = MeasuredBackoff(limit=64)
+    assert _run(backoff, 4, 320, accept=[0.0, 1.0]) > 0.9
+
+
+def test_fixed_backoff_drafts_up_to_its_ceiling_and_names_choose_a_policy():
+    fixed = backoff_named("fixed", 8)
+    assert isinstance(fixed, FixedBackoff)
+    assert [fixed.should_draft(n) for n in (1, 8, 9)] == [True, True, False]
+    assert isinstance(backoff_named("measured", 8), MeasuredBackoff)
+    try:
+        backoff_named("sometimes", 8)
+    except ValueError as e:
+        assert "fixed, measured" in str(e)
+    else:
+        raise AssertionError("an unknown policy name must be refused")
+
+
+def test_the_engine_measures_both_choices_and_decodes_as_without_speculation(
+    synth_llama, mixed_prompts
+):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(synth_llama, dtype="float32").generate(mixed_prompts, params)
+    llm = LLM(synth_llama, dtype="float32", speculative="ngram",
+              speculative_disable_by_batch_size=64)  # fmt: skip
+    assert isinstance(llm.engine.backoff, MeasuredBackoff)  # the default
+    outs = llm.generate(mixed_prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    # 16 requests decode together: their steps were timed with drafts and without
+    arms = llm.engine.backoff.buckets[MeasuredBackoff.bucket(16)].arms
+    assert min(a.samples for a in arms) >= MeasuredBackoff.WARMUP
+    assert all(a.per_token > 0 for a in arms)
