@@ -114,7 +114,7 @@ def main() -> None:
             a.model, dtype=a.dtype, kv_cache_dtype="float32", quantization=a.quantization
         ).engine
     elif a.change == "repack16":  # a weight layout is fixed at load: a second engine without
-        with_it, without, switch = "Q4 rows repacked by 16", "GGUF's row layout", lambda on: None
+        with_it, without, switch = "rows repacked by 16", "GGUF's row layout", lambda on: None
         keep, QuantWeight.repacked = QuantWeight.repacked, lambda self: self
         engines[False] = LLM(
             a.model, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization

@@ -82,31 +82,32 @@ def test_kernels_match_gguf_dequantize_and_a_float64_matmul(cpu_isa, fmt):
 
 @pytest.mark.parametrize("fmt", list(quant.REPACKED))
 def test_repacked_rows_dequantize_and_multiply_as_their_gguf_rows(cpu_isa, fmt):
-    blocks = random_blocks(fmt, 64, 96)
+    k = 512 if quant.FORMATS[fmt][1] == 256 else 96
+    blocks = random_blocks(fmt, 64, k)
     ref = reference(blocks, fmt)
-    weight = QuantWeight(torch.from_numpy(blocks), fmt, 96).repacked()
+    weight = QuantWeight(torch.from_numpy(blocks), fmt, k).repacked()
     w, repacked = weight.blocks, weight.fmt
     assert repacked == quant.REPACKED[fmt] and w.shape == blocks.shape
     assert not np.array_equal(w.numpy(), blocks)  # moved, not copied
-    assert np.array_equal(quant.dequantize(w, repacked, 96).numpy(), ref.astype(np.float32))
+    assert np.array_equal(quant.dequantize(w, repacked, k).numpy(), ref.astype(np.float32))
     rows = torch.tensor([63, 0, 17, 17])
     assert torch.equal(
-        quant.dequantize(w, repacked, 96, rows=rows), torch.from_numpy(ref[rows]).float()
+        quant.dequantize(w, repacked, k, rows=rows), torch.from_numpy(ref[rows]).float()
     )
     for batch in (1, 3, 4, 5, 13):  # below, at and above the tile of 4 rows
-        for x in (torch.randn(batch, 96), torch.randn(batch, 96).bfloat16()):
-            y = quant.matmul(w, repacked, 96, x)
+        for x in (torch.randn(batch, k), torch.randn(batch, k).bfloat16()):
+            y = quant.matmul(w, repacked, k, x)
             want = as_kernel_reads(x) @ ref.T
             np.testing.assert_allclose(y.double().numpy(), want, atol=2e-6 * np.abs(want).max())
-            out = quant.matmul(w, repacked, 96, x, torch.empty(batch, 64, dtype=torch.bfloat16))
+            out = quant.matmul(w, repacked, k, x, torch.empty(batch, 64, dtype=torch.bfloat16))
             assert torch.equal(out, y.bfloat16())
     # Rows not in sixteens, and formats without a repacked layout, stay as they are.
-    odd = QuantWeight(torch.from_numpy(random_blocks(fmt, 40, 96)), fmt, 96)
+    odd = QuantWeight(torch.from_numpy(random_blocks(fmt, 40, k)), fmt, k)
     assert odd.repacked() is odd
-    q8 = QuantWeight(torch.from_numpy(random_blocks("Q8_0", 64, 96)), "Q8_0", 96)
-    assert q8.repacked() is q8
+    q5_1 = QuantWeight(torch.from_numpy(random_blocks("Q5_1", 64, 96)), "Q5_1", 96)
+    assert q5_1.repacked() is q5_1
     with pytest.raises(ValueError, match="by sixteen"):
-        quant.repack16(odd.blocks, fmt, 96)
+        quant.repack16(odd.blocks, fmt, k)
 
 
 def test_matmul_writes_a_column_slice_and_refuses_partial_blocks(cpu_isa):
@@ -127,13 +128,13 @@ def test_matmul_writes_a_column_slice_and_refuses_partial_blocks(cpu_isa):
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, GEMV_ROWS_DEFAULT, GEMV_ROWS_DEFAULT + 1, 40])
+@pytest.mark.parametrize("rows", [1, GEMV_ROWS_DEFAULT + 1, 40, 257])
 def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weight(
     rows, dtype, bias
 ):
-    """q and k in Q4_K, v in Q6_K, as a Q4_K_M file keeps them, then a Q4_1 part; decode-sized
-    batches multiply on the blocks (on int8 activations), prefill-sized ones on the dequantized
-    weight."""
+    """q and k in Q4_K, v in Q6_K, as a Q4_K_M file keeps them, then a Q4_1 part, each repacked;
+    decode-sized batches multiply on the blocks (on int8 activations), larger ones on the
+    dequantized weight."""
     spec = [("Q4_K", 48, 256), ("Q4_K", 16, 256), ("Q6_K", 16, 256), ("Q4_1", 16, 256)]
     parts = [
         QuantWeight(torch.from_numpy(random_blocks(f, n, k, seed=i)), f, k)
@@ -141,8 +142,9 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
     ]
     b = torch.randn(96) if bias else None
     layer = QuantLinear(parts, b, Scratch()).to(dtype)
+    assert layer.fmts == ["Q4_K_R16", "Q6_K_R16", "Q4_1_R16"] and layer.gemv_rows == 256
     x = torch.randn(rows, 256).to(dtype)
-    read = as_kernel_reads if rows <= GEMV_ROWS_DEFAULT else lambda x: x.double().numpy()
+    read = as_kernel_reads if rows <= layer.gemv_rows else lambda x: x.double().numpy()
     want = torch.cat(
         [torch.from_numpy(read(x) @ reference(p.blocks.numpy(), p.fmt).T) for p in parts],
         dim=1,
@@ -177,7 +179,7 @@ def test_the_shared_buffer_is_dequantized_again_only_after_another_layer_took_it
     scratch = Scratch()
     weights = [QuantWeight(torch.from_numpy(random_blocks("Q8_0", 64, 64, seed=s)), "Q8_0", 64)
                for s in (1, 2)]  # fmt: skip
-    a, b = (QuantLinear([w], None, scratch) for w in weights)
+    a, b = (QuantLinear([w], None, scratch, repack=False) for w in weights)  # as LM heads
     calls = []
     dequantize = quant.dequantize
     monkeypatch.setattr(
@@ -199,7 +201,7 @@ def test_the_rows_a_model_dequantizes_above_are_those_of_most_of_its_weight(monk
     than `dequantizing_rows` dequantizes the bulk of the weight, one of as many does not."""
     big = QuantLinear([QuantWeight(torch.from_numpy(random_blocks("Q4_1", 64, 256)), "Q4_1",
                                    256)], None, Scratch())  # fmt: skip
-    small = QuantLinear([QuantWeight(torch.from_numpy(random_blocks("Q8_0", 16, 64)), "Q8_0",
+    small = QuantLinear([QuantWeight(torch.from_numpy(random_blocks("Q5_1", 16, 64)), "Q5_1",
                                      64)], None, Scratch())  # fmt: skip
     assert dequantizing_rows(nn.Sequential(small)) == GEMV_ROWS_DEFAULT
     assert dequantizing_rows(nn.Linear(4, 4)) is None

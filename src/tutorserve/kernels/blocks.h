@@ -31,6 +31,11 @@ static inline int bytes_of(int fmt) {
     }
 }
 
+/* Formats with a layout repacked sixteen rows at a time (quant_rows16.c). */
+static inline int repacks16(int fmt) {
+    return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0 || fmt == Q8_0 || fmt == Q4_K || fmt == Q6_K;
+}
+
 static inline uint32_t u32_at(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, sizeof v);

@@ -16,7 +16,7 @@
  * `quant_dequantize` writes rows of w (prefill-sized batches multiply on them with PyTorch's
  * GEMM). The codes are exact small integers and the scales are what the reference dequantizer
  * computes, so the rows are exactly gguf's. `quant_matmul` multiplies on the blocks themselves,
- * with int8 activations: quant_x8.c in GGUF's layout, quant_rows16.c on Q4/Q5_0 rows repacked.
+ * with int8 activations: quant_x8.c in GGUF's layout, quant_rows16.c on rows repacked.
  */
 #include <stdlib.h>
 
@@ -31,7 +31,7 @@ int quant_matmul_x8(const void *w, int fmt, int64_t n, int64_t k, const void *x,
 int quant_matmul_rows16(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
                         int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy,
                         int num_threads);
-void tutorserve_unpack16_row(const void *w, int fmt, int64_t r, int64_t blocks, uint8_t *out);
+void tutorserve_unpack16_row(const void *w, int fmt, int64_t r, int64_t k, uint8_t *out);
 
 /* HIGH_BIT[b]: eight bytes, byte j = 0x10 if bit j of b is set (Q5_0/Q5_1's fifth bits, eight
  * weights per table lookup instead of a variable shift per weight, which does not vectorize). */
@@ -133,6 +133,11 @@ __attribute__((always_inline)) static inline void decode(int fmt, const uint8_t 
     }
 }
 
+/* decode, for quant_rows16.c's plain C path. */
+void tutorserve_decode_block(int fmt, const uint8_t *b, int8_t *q, float *scale, float *offset) {
+    decode(fmt, b, q, scale, offset);
+}
+
 /* Row r of the weight, all K of it: codes into q[K], per-16 scales and offsets. The switch
  * is outside the loop so that each format's decoder is inlined into its own loop. */
 #define DECODE_ROW(F)                                                                    \
@@ -158,7 +163,7 @@ __attribute__((always_inline)) static inline void decode_row(int fmt, const uint
 
 static int shape_ok(int fmt, int64_t k) {
     const int base = fmt & ~ROWS16;
-    if (fmt & ROWS16 && base != Q4_0 && base != Q4_1 && base != Q5_0) return 0;
+    if (fmt & ROWS16 && !repacks16(base)) return 0;
     const int g = group_of(base);
     return g != 0 && k % g == 0;
 }
@@ -232,7 +237,7 @@ static void dequantize_row(const RowBuf *buf, int64_t i, const void *ctx) {
     const DequantArgs *a = ctx;
     const int64_t k = a->k, r = a->rows ? a->rows[i] : i;
     if (a->fmt & ROWS16) {
-        tutorserve_unpack16_row(a->w, a->fmt & ~ROWS16, r, k / 32, buf->blocks);
+        tutorserve_unpack16_row(a->w, a->fmt & ~ROWS16, r, k, buf->blocks);
         decode_row(a->fmt & ~ROWS16, buf->blocks, 0, k, buf->q, buf->scale, buf->offset);
     } else {
         decode_row(a->fmt, a->w, r, k, buf->q, buf->scale, buf->offset);

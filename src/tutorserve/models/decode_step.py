@@ -7,8 +7,8 @@ path's bit for bit (rows that share a course prompt merge the two halves of thei
 in C, which rounds its exponentials like C, not like PyTorch). It takes a step when every
 piece has a CPU kernel: attention read in place by the CPU kernel, no token on a LoRA
 adapter, projections on quantized blocks at a batch they keep on their blocks (decode rows,
-rows verifying speculative drafts, short prefill chunks: 256 tokens in all on repacked Q4 and
-Q5_0 weights, 12 on others), no per-head q/k norm. Any other step, or model, runs layer by layer.
+rows verifying speculative drafts, short prefill chunks: 256 tokens in all on repacked
+weights, 12 on others), no per-head q/k norm. Any other step, or model, runs layer by layer.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Linear and embedding layers over quantized weights, for CPUs with our kernels.
 
 Up to `gemv_rows` rows multiply on the blocks directly (`kernels/quant.c`: each row decoded
-once, then dotted with every activation row, on int8 activations; Q4_0, Q4_1 and Q5_0
-repacked sixteen rows at a time so that a vector lane computes one output row),
-reading 4.5-8.5 bits per weight instead of 16-32.
+once, then dotted with every activation row, on int8 activations; rows in sixteens repacked so
+that a vector lane computes one output row, `kernels/quant_rows16.c`), reading 4.5-8.5 bits per
+weight instead of 16-32.
 More rows (prefill chunks, large decode batches) are compute-bound instead: the weight is
 dequantized into a scratch buffer the model's layers share, and PyTorch's GEMM runs on that.
 No layer keeps a float copy, but the buffer grows to the largest weight used that way (the LM
@@ -28,11 +28,12 @@ from tutorserve.quant.weight import QuantWeight
 
 # Rows up to which a format multiplies on its blocks (others: GEMV_ROWS_DEFAULT); above, the
 # blocks are dequantized for PyTorch's GEMM. Measured crossovers against dequantizing and the
-# GEMM (docs/benchmarks/quantization.md): repacked Q4 and Q5_0 rows keep up to 256 rows, where
-# a whole step (the fused C call included) stops gaining by it; one layer alone, hot in cache,
-# crosses over earlier (96-256 rows), but a step dequantizes every layer's weight in turn.
+# GEMM (docs/benchmarks/quantization.md): repacked rows keep up to 256 rows, where a whole step
+# (the fused C call included) stops gaining by it; one layer alone, hot in cache, crosses over
+# earlier (24-256 rows by format), but a step dequantizes every layer's weight in turn, and a
+# layer that dequantizes takes the scratch buffer from the LM head.
 GEMV_ROWS_DEFAULT = 12
-GEMV_ROWS = {"Q4_0_R16": 256, "Q4_1_R16": 256, "Q5_0_R16": 256}
+GEMV_ROWS = {fmt: 256 for fmt in quant.REPACKED.values()}
 
 
 class Scratch:
@@ -66,7 +67,11 @@ class QuantLinear(nn.Module):
     formats: Q4_K_M files keep v in Q6_K)."""
 
     def __init__(
-        self, parts: list[QuantWeight], bias: torch.Tensor | None, scratch: Scratch
+        self,
+        parts: list[QuantWeight],
+        bias: torch.Tensor | None,
+        scratch: Scratch,
+        repack: bool = True,
     ) -> None:
         super().__init__()
         self.in_features = parts[0].in_features
@@ -80,10 +85,10 @@ class QuantLinear(nn.Module):
                 merged[-1] = QuantWeight(rows, p.fmt, self.in_features)
             else:
                 merged.append(p)
-        # Q4_0/Q4_1/Q5_0 rows repacked by sixteen multiply 1.5-3x faster at batch 1-16, and a
-        # step keeps up with dequantize + GEMM to 256 rows (kernels/quant_rows16.c;
-        # quantization.md).
-        merged = [p.repacked() for p in merged]
+        # Rows repacked by sixteen multiply 1.5-3x faster at batch 1-16, and a step keeps up
+        # with dequantize + GEMM to 256 rows (kernels/quant_rows16.c; quantization.md).
+        if repack:
+            merged = [p.repacked() for p in merged]
         self.fmts = [p.fmt for p in merged]
         self.out_features = sum(p.out_features for p in merged)
         self.blocks = nn.ParameterList(_blocks(p) for p in merged)
