@@ -1,7 +1,7 @@
 /* Runs the kernels on fixed pseudo-random inputs and writes their outputs, so that one ISA
  * level's build can be compared with another's (here NEON vs scalar, under qemu): attention,
  * norm and activation, rotary embedding and the KV write, and the quantized-weight matmul and
- * dequantizer in every format (Q4_0 and Q4_1 also repacked sixteen rows at a time). */
+ * dequantizer in every format (and every repacked layout, sixteen rows at a time). */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -78,18 +78,22 @@ int main(int argc, char **argv) {
     rotary_embedding(pos, x, x + 6 * 64, 8, 6, 3, 64, 576, 64, 576, 64, cs, sn, 16, 0, 0, 1);
     write_kv(x + 6 * 64, o + 6 * 64, 8, 3, 64, 576, 576, 64, slots, kc, vc, 32, 0, 0, 1);
     fwrite(x, sizeof x, 1, f); fwrite(kc, sizeof kc, 1, f); fwrite(vc, sizeof vc, 1, f);
-    /* 16 rows of 512 in Q4_0 and Q4_1, repacked: matmul on 3 activation rows, dequantized. */
-    static uint8_t packed[16 * 16 * 20];
+    /* 16 rows of 512 in each format with a repacked layout, repacked: matmul on 3 activation
+     * rows, dequantized. */
+    static uint8_t packed[16 * 16 * 34];
     static float ry[3 * 16], rdeq[16 * 512];
-    for (int t = 0; t < 2; t++) {
-        const int id = 2 + t, nb = 18 + 2 * t;
-        for (int i = 0; i < 16 * 16 * nb; i++) { s = s * 1664525u + 1013904223u; blocks[i] = s >> 24; }
-        for (int b = 0; b < 16 * 16; b++)
-            for (int h = 0; h <= 2 * t; h += 2) {
-                s = s * 1664525u + 1013904223u;
-                const uint16_t half = 0x2000 | (s >> 22);
-                memcpy(blocks + b * nb + h, &half, 2);
-            }
+    for (int t = 0; t < 8; t++) {
+        const int id = fmts[t][0], nb = fmts[t][1], group = id >= 12 ? 256 : 32;
+        if (id == 7 || id == 13) continue; /* Q5_1, Q5_K: no repacked layout */
+        const int nblocks = 16 * 512 / group;
+        for (int i = 0; i < nblocks * nb; i++) { s = s * 1664525u + 1013904223u; blocks[i] = s >> 24; }
+        for (int b = 0; b < nblocks; b++)
+            for (int h = 2; h < 4; h++)
+                if (fmts[t][h] >= 0) {
+                    s = s * 1664525u + 1013904223u;
+                    const uint16_t half = 0x2000 | (s >> 22);
+                    memcpy(blocks + b * nb + fmts[t][h], &half, 2);
+                }
         quant_repack16(blocks, id, 16, 512, packed);
         quant_matmul(packed, 256 | id, 16, 512, qx, 0, 3, 512, ry, 0, 16, 1);
         quant_dequantize(packed, 256 | id, 512, NULL, 16, rdeq, 0, 1);
