@@ -69,4 +69,13 @@ def test_the_avx2_level_runs_on_an_emulated_zen3_and_matches_the_scalar_level(tm
     avx2, scalar = outputs["avx2"], outputs["scalar"]
     assert avx2.size == scalar.size > 20_000
     assert np.isfinite(scalar).all()
-    np.testing.assert_allclose(avx2, scalar, atol=1e-5, rtol=1e-5)
+    # The harness's last section, the repacked layouts' matmuls: the vector kernels sum each
+    # sub-block's products and offsets in another order than the plain-C path (which decodes
+    # GGUF blocks), on K-quant rows whose offsets cancel terms ~30x the result; each is within
+    # 2e-6 of the largest output of a float64 matmul (tests/test_quant.py), so within 4e-6 here.
+    tail = 6 * (3 * 16 + 16 * 512)  # six layouts: 3 x 16 outputs, then 16 x 512 dequantized
+    np.testing.assert_allclose(avx2[:-tail], scalar[:-tail], atol=1e-5, rtol=1e-5)
+    for part in np.split(scalar.size - tail + np.arange(tail), 6):
+        out, rows = part[:48], part[48:]
+        np.testing.assert_array_equal(avx2[rows], scalar[rows])
+        np.testing.assert_allclose(avx2[out], scalar[out], atol=4e-6 * np.abs(scalar[out]).max())
