@@ -275,7 +275,11 @@ def test_the_default_model_on_its_q4_1_blocks_matches_itself_dequantized():
     plain = LLM(
         "smollm2-135m-instruct", dtype="float32", quantization="none", kv_cache_bytes=256 << 20
     )
-    assert any(isinstance(m, QuantLinear) for m in quantized.engine.model.modules())
+    model = quantized.engine.model
+    # Every layer's Q4_1 rows repacked; the tied Q8_0 head in GGUF's layout (models/weights.py).
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m is not model.lm_head]
+    assert layers and all(m.fmts == ["Q4_1_R16"] for m in layers)
+    assert model.lm_head.fmts == ["Q8_0"]
     ids = quantized.tokenizer.encode(HELD_TEXT)
     # One token a step, as decoding computes them: the matmuls run on the blocks themselves
     # (a chunk of more than their row count multiplies their exact dequantization with
