@@ -23,6 +23,19 @@ static uint32_t s = 12345;
 static float rnd(void) { s = s * 1664525u + 1013904223u; return ((s >> 8) / 16777216.f) * 4.f - 2.f; }
 static uint16_t bf(float x) { uint32_t u; memcpy(&u, &x, 4); return (uint16_t)(u >> 16); }
 enum { KVH = 2, NB = 16, BS = 16, D = 64, SETS = 3, NQ = 7, W = 5 };
+/* nblocks random blocks of a format (a row of `fmts` in main: id, bytes per block, half offsets),
+ * their fp16 scales small and finite. */
+static void fill_blocks(uint8_t *blocks, const int *fmt, int nblocks) {
+    const int nb = fmt[1];
+    for (int i = 0; i < nblocks * nb; i++) { s = s * 1664525u + 1013904223u; blocks[i] = s >> 24; }
+    for (int b = 0; b < nblocks; b++)
+        for (int h = 2; h < 4; h++)
+            if (fmt[h] >= 0) {
+                s = s * 1664525u + 1013904223u;
+                const uint16_t half = 0x2000 | (s >> 22); /* 2^-7 .. 2^-6 */
+                memcpy(blocks + b * nb + fmt[h], &half, 2);
+            }
+}
 int main(int argc, char **argv) {
     static float q[SETS * KVH * NQ * D], k[KVH * NB * BS * D], v[KVH * NB * BS * D];
     static uint16_t kb[KVH * NB * BS * D], vb[KVH * NB * BS * D];
@@ -54,16 +67,8 @@ int main(int argc, char **argv) {
     static uint16_t qxb[3 * 512];
     for (int i = 0; i < 3 * 512; i++) { qx[i] = rnd(); qxb[i] = bf(qx[i]); }
     for (int t = 0; t < 8; t++) {
-        const int id = fmts[t][0], nb = fmts[t][1], group = id >= 12 ? 256 : 32;
-        const int nblocks = 5 * 512 / group;
-        for (int i = 0; i < nblocks * nb; i++) { s = s * 1664525u + 1013904223u; blocks[i] = s >> 24; }
-        for (int b = 0; b < nblocks; b++)
-            for (int h = 2; h < 4; h++)
-                if (fmts[t][h] >= 0) {
-                    s = s * 1664525u + 1013904223u;
-                    const uint16_t half = 0x2000 | (s >> 22); /* 2^-7 .. 2^-6 */
-                    memcpy(blocks + b * nb + fmts[t][h], &half, 2);
-                }
+        const int id = fmts[t][0];
+        fill_blocks(blocks, fmts[t], 5 * 512 / (id >= 12 ? 256 : 32));
         quant_matmul(blocks, id, 5, 512, qx, 0, 3, 512, qy, 0, 5, 1);
         fwrite(qy, sizeof qy, 1, f);
         quant_matmul(blocks, id, 5, 512, qxb, 1, 3, 512, qy, 0, 5, 1); /* bf16 activations */
@@ -83,17 +88,9 @@ int main(int argc, char **argv) {
     static uint8_t packed[16 * 16 * 34];
     static float ry[3 * 16], rdeq[16 * 512];
     for (int t = 0; t < 8; t++) {
-        const int id = fmts[t][0], nb = fmts[t][1], group = id >= 12 ? 256 : 32;
+        const int id = fmts[t][0];
         if (id == 7 || id == 13) continue; /* Q5_1, Q5_K: no repacked layout */
-        const int nblocks = 16 * 512 / group;
-        for (int i = 0; i < nblocks * nb; i++) { s = s * 1664525u + 1013904223u; blocks[i] = s >> 24; }
-        for (int b = 0; b < nblocks; b++)
-            for (int h = 2; h < 4; h++)
-                if (fmts[t][h] >= 0) {
-                    s = s * 1664525u + 1013904223u;
-                    const uint16_t half = 0x2000 | (s >> 22);
-                    memcpy(blocks + b * nb + fmts[t][h], &half, 2);
-                }
+        fill_blocks(blocks, fmts[t], 16 * 512 / (id >= 12 ? 256 : 32));
         quant_repack16(blocks, id, 16, 512, packed);
         quant_matmul(packed, 256 | id, 16, 512, qx, 0, 3, 512, ry, 0, 16, 1);
         quant_dequantize(packed, 256 | id, 512, NULL, 16, rdeq, 0, 1);

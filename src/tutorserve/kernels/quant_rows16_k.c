@@ -1,8 +1,8 @@
 /* Q4_K and Q6_K matmuls on weights repacked sixteen rows at a time (quant_rows16.c has the idea
  * and the 32-weight formats). A K-quant block holds 256 weights of one row; repacked, the
  * blocks of sixteen rows at one position become one group block of the same bytes, each of a
- * block's fields stored for the sixteen rows side by side (`FIELDS`), so that one vector load
- * takes a field of every row:
+ * block's fields stored for the sixteen rows side by side (the `Field` tables), so that one
+ * vector load takes a field of every row:
  *
  *   Q4_K  d[16], dmin[16] (half); the 12 bytes of packed 6-bit (scale, min) pairs as three
  *         32-bit words per row; the 128 bytes of nibbles as 32 words per row. Word w's low

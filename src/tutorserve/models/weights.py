@@ -84,10 +84,11 @@ def install_quantized(
     """Replace each module `load_weights` returned quantized parts for with its quantized form
     (a tied LM head follows a quantized embedding); `dtype` is the activations'.
 
-    The LM head keeps GGUF's layout: repacked, a Q8_0 head made no step faster (SmolLM2 at
-    1-32 rows; Qwen's head alone 20 % slower at 8 rows), and above 12 rows it dequantizes into
-    the scratch buffer, which it alone takes while the repacked layers stay on their blocks, so
-    it does so once (docs/benchmarks/quantization.md, *K-quants and Q8_0 repacked*)."""
+    The LM head keeps GGUF's layout: repacked, a Q8_0 head gained SmolLM2's step 0-3 % at 1-32
+    rows (bench/head_layout.py) and Qwen's head alone is 20 % slower at 8 rows; above 12 rows it
+    dequantizes into the scratch buffer, which it alone takes while the repacked layers stay on
+    their blocks, so it does so once (docs/benchmarks/quantization.md, *K-quants and Q8_0
+    repacked*)."""
     scratch, head = Scratch(), getattr(model, "lm_head", None)
     for name, shards in quantized.items():
         parent_name, _, attr = name.rpartition(".")
