@@ -1,8 +1,8 @@
 """The package's dependency order, from its own imports: each package may import only the ones
 below it (`paging → kernels → quant → layers → models → lora → spec → structured → engine →
-cluster → tutor → server → bench → cli`; the top-level `config` and `sampling_params` sit
-below them all), and no modules import each other, directly or round a longer loop — type-only
-imports included."""
+cluster → tutor → server → bench → cli`; the top-level `config`, `sampling_params` and
+`host_memory` sit below them all), and no modules import each other, directly or round a longer
+loop — type-only imports included."""
 
 import ast
 from pathlib import Path
@@ -13,9 +13,9 @@ import tutorserve
 from tutorserve.models.classes import MODEL_CLASSES, model_class
 
 ROOT = Path(tutorserve.__file__).parent
-ORDER = ["config", "sampling_params", "paging", "kernels", "quant", "layers", "models", "lora",
-         "spec", "structured", "engine", "cluster", "tutor", "voice", "server", "bench", "sim",
-         "cli"]  # fmt: skip
+ORDER = ["config", "sampling_params", "host_memory", "paging", "kernels", "quant", "layers",
+         "models", "lora", "spec", "structured", "engine", "cluster", "tutor", "voice", "server",
+         "bench", "sim", "cli"]  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:

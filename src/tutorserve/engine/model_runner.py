@@ -15,6 +15,7 @@ from tutorserve.engine.outputs import TokenLogprob
 from tutorserve.engine.sampler import sample, verify
 from tutorserve.engine.scheduler import SchedulerOutput
 from tutorserve.engine.sequence import Sequence
+from tutorserve.host_memory import zeros_on_huge_pages
 from tutorserve.layers.attention import AttentionBatch, PrefillSpan, StepContext, select_backend
 from tutorserve.layers.attention.context import reset_context, set_context
 from tutorserve.layers.lora import LoRABatch
@@ -55,8 +56,8 @@ class ModelRunner:
         cfg = model.config
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, config.block_size, cfg.head_dim)
         self.dtype = dtype
-        self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+        self.k_cache = zeros_on_huge_pages(shape, kv_dtype, device)
+        self.v_cache = zeros_on_huge_pages(shape, kv_dtype, device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
