@@ -49,11 +49,12 @@ def test_gathered_parameters_keep_their_values_and_sharing():
     params = [torch.nn.Parameter(torch.randint(0, 255, s, dtype=torch.uint8), False) for s in sizes]
     params.append(torch.nn.Parameter(torch.randn(700, 33), requires_grad=False))
     tied = torch.nn.Parameter(params[0].data, requires_grad=False)  # a tied head's view
-    before = [p.clone() for p in params]
-    gather_on_huge_pages([*params, tied, params[1]])
-    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    prefix = torch.nn.Parameter(params[2].data[:7], requires_grad=False)  # same start, fewer bytes
+    before = [p.clone() for p in [*params, prefix]]
+    gather_on_huge_pages([*params, tied, params[1], prefix])
+    assert all(torch.equal(p, b) for p, b in zip([*params, prefix], before, strict=True))
     assert tied.data_ptr() == params[0].data_ptr()
-    storages = {p.untyped_storage().data_ptr() for p in [*params, tied]}
+    storages = {p.untyped_storage().data_ptr() for p in [*params, tied, prefix]}
     assert len(storages) == 1 and all(p.data_ptr() % 64 == 0 for p in params)
     assert params[0].nbytes > 2 * HUGE_PAGE  # so its middle lies in an advised huge page
     assert _thp_eligible(params[0].data_ptr() + params[0].nbytes // 2)

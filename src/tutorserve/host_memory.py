@@ -39,22 +39,21 @@ def zeros_on_huge_pages(
 
 def gather_on_huge_pages(params: list[torch.nn.Parameter]) -> None:
     """Move the CPU parameters' data into one buffer on huge pages, each at a 64-byte boundary
-    (a parameter sharing another's data, as a tied LM head does, keeps sharing it)."""
-    align = 64
-    unique: dict[int, tuple[int, int]] = {}  # data address → (offset in the buffer, bytes)
-    size = 0
+    (parameters on the same data, as a tied LM head and its embedding are, stay on one copy)."""
+    align, size = 64, 0
+    offsets: dict[tuple[int, int], int] = {}  # (address, bytes) of the data → offset in the buffer
     params = list({id(p): p for p in params}.values())
     for p in params:
         if p.device.type != "cpu" or not p.is_contiguous():
             raise ValueError("only contiguous CPU parameters can be gathered")
-        if p.data_ptr() not in unique:
-            unique[p.data_ptr()] = (size, p.nbytes)
+        if (p.data_ptr(), p.nbytes) not in offsets:
+            offsets[p.data_ptr(), p.nbytes] = size
             size += -(-p.nbytes // align) * align
     buffer = zeros_on_huge_pages((size,), torch.uint8, torch.device("cpu"))
-    moved: dict[int, torch.Tensor] = {}
+    moved: dict[tuple[int, int], torch.Tensor] = {}
     for p in params:
-        offset, nbytes = unique[p.data_ptr()]
-        if p.data_ptr() not in moved:
-            view = buffer[offset : offset + nbytes].view(p.dtype).view(p.shape)
-            moved[p.data_ptr()] = view.copy_(p.data)
-        p.data = moved[p.data_ptr()]
+        key = (p.data_ptr(), p.nbytes)
+        if key not in moved:
+            view = buffer[offsets[key] : offsets[key] + p.nbytes].view(p.dtype).view(p.shape)
+            moved[key] = view.copy_(p.data)
+        p.data = moved[key]
