@@ -211,6 +211,52 @@ static inline void transpose_keys(const uint16_t *k, const int64_t at[TILE], int
     }
 }
 
+/* Queries i0 .. i0 + QN - 1 (QN ≤ QB) of head size D against the tile in kp / vp: scores, the
+ * online softmax's update, values. Expanded for each QN, so that a GQA group of 3 or 7 queries
+ * fills no slot with a repeat of the last. */
+#define QUERY_BLOCK(QN, D)                                                                     \
+    do {                                                                                       \
+        __m512 s[QN][2];                                                                       \
+        for (int u = 0; u < QN; u++) s[u][0] = s[u][1] = _mm512_setzero_ps();                  \
+        for (int64_t c = 0; c < W; c += 2) {                                                   \
+            const __m512bh k0 = (__m512bh)_mm512_load_si512(kp + c * TILE);                    \
+            const __m512bh k1 = (__m512bh)_mm512_load_si512(kp + (c + 1) * TILE);              \
+            for (int u = 0; u < QN; u++) {                                                     \
+                const uint32_t *qw = (const uint32_t *)(q + (i0 + u) * D);                     \
+                s[u][0] = _mm512_dpbf16_ps(s[u][0], k0, bcast(qw[c]));                         \
+                s[u][1] = _mm512_dpbf16_ps(s[u][1], k1, bcast(qw[c + 1]));                     \
+            }                                                                                  \
+        }                                                                                      \
+        float rescale[QN];                                                                     \
+        for (int u = 0; u < QN; u++) {                                                         \
+            const int64_t i = i0 + u;                                                          \
+            const __mmask16 valid = lanes(visible(a, set, q0 + i), t0);                        \
+            const __m512 sc = _mm512_mask_blend_ps(                                            \
+                valid, minus_inf, _mm512_mul_ps(_mm512_add_ps(s[u][0], s[u][1]), scale));      \
+            const float m = fmaxf(peak[i], _mm512_reduce_max_ps(sc));                          \
+            /* masked: a query that sees no key of this tile (and maybe none yet) adds 0 */    \
+            const __m512 e =                                                                   \
+                _mm512_maskz_mov_ps(valid, vexp(_mm512_sub_ps(sc, _mm512_set1_ps(m))));        \
+            rescale[u] = _mm512_cvtss_f32(vexp(_mm512_set1_ps(peak[i] - m)));                  \
+            _mm256_store_si256((__m256i *)pw[u], (__m256i)_mm512_cvtneps_pbh(e));              \
+            total[i] = total[i] * rescale[u] + _mm512_reduce_add_ps(e);                        \
+            peak[i] = m;                                                                       \
+        }                                                                                      \
+        __m512 r[QN][Z];                                                                       \
+        for (int u = 0; u < QN; u++)                                                           \
+            for (int z = 0; z < Z; z++)                                                        \
+                r[u][z] = _mm512_mul_ps(_mm512_load_ps(acc + (i0 + u) * D + 16 * z),           \
+                                        _mm512_set1_ps(rescale[u]));                           \
+        for (int m = 0; m < TILE / 2; m++)                                                     \
+            for (int u = 0; u < QN; u++) {                                                     \
+                const __m512bh pb = bcast(pw[u][m]);                                           \
+                for (int z = 0; z < Z; z++)                                                    \
+                    r[u][z] = _mm512_dpbf16_ps(r[u][z], (__m512bh)vp[m * Z + z], pb);          \
+            }                                                                                  \
+        for (int u = 0; u < QN; u++)                                                           \
+            for (int z = 0; z < Z; z++) _mm512_store_ps(acc + (i0 + u) * D + 16 * z, r[u][z]); \
+    } while (0)
+
 #define ATTEND_BF16(D)                                                                        \
 static void attend_bf16_##D(const Args *a, const Part *w) {                                   \
     enum { W = D / 2, Z = D / 16 };                                                            \
@@ -244,49 +290,12 @@ static void attend_bf16_##D(const Args *a, const Part *w) {                     
                 vp[m * Z + 2 * h + 1] = _mm512_unpackhi_epi16(x, y);                           \
             }                                                                                  \
         for (int64_t i0 = 0; i0 < nq; i0 += QB) {                                              \
-            int64_t qi[QB];                                                                    \
-            for (int u = 0; u < QB; u++) qi[u] = i0 + u < nq ? i0 + u : nq - 1;                \
-            __m512 s[QB][2];                                                                   \
-            for (int u = 0; u < QB; u++) s[u][0] = s[u][1] = _mm512_setzero_ps();              \
-            for (int64_t c = 0; c < W; c += 2) {                                               \
-                const __m512bh k0 = (__m512bh)_mm512_load_si512(kp + c * TILE);                \
-                const __m512bh k1 = (__m512bh)_mm512_load_si512(kp + (c + 1) * TILE);          \
-                for (int u = 0; u < QB; u++) {                                                 \
-                    const uint32_t *qw = (const uint32_t *)(q + qi[u] * D);                    \
-                    s[u][0] = _mm512_dpbf16_ps(s[u][0], k0, bcast(qw[c]));                     \
-                    s[u][1] = _mm512_dpbf16_ps(s[u][1], k1, bcast(qw[c + 1]));                 \
-                }                                                                              \
+            switch (nq - i0 < QB ? nq - i0 : QB) {                                             \
+            case 1: QUERY_BLOCK(1, D); break;                                                  \
+            case 2: QUERY_BLOCK(2, D); break;                                                  \
+            case 3: QUERY_BLOCK(3, D); break;                                                  \
+            default: QUERY_BLOCK(QB, D); break;                                                \
             }                                                                                  \
-            float rescale[QB];                                                                 \
-            for (int u = 0; u < QB; u++) {                                                     \
-                const int64_t i = qi[u];                                                       \
-                const __mmask16 valid = lanes(visible(a, set, q0 + i), t0);                    \
-                const __m512 sc = _mm512_mask_blend_ps(                                        \
-                    valid, minus_inf, _mm512_mul_ps(_mm512_add_ps(s[u][0], s[u][1]), scale));  \
-                const float m = fmaxf(peak[i], _mm512_reduce_max_ps(sc));                      \
-                /* masked: a query that sees no key of this tile (and maybe none yet) adds 0 */\
-                const __m512 e = _mm512_maskz_mov_ps(                                          \
-                    valid, vexp(_mm512_sub_ps(sc, _mm512_set1_ps(m))));             \
-                rescale[u] = _mm512_cvtss_f32(vexp(_mm512_set1_ps(peak[i] - m)));   \
-                _mm256_store_si256((__m256i *)pw[u], (__m256i)_mm512_cvtneps_pbh(e));          \
-                if (i0 + u < nq) {                                                             \
-                    total[i] = total[i] * rescale[u] + _mm512_reduce_add_ps(e);                \
-                    peak[i] = m;                                                               \
-                }                                                                              \
-            }                                                                                  \
-            __m512 r[QB][Z];                                                                   \
-            for (int u = 0; u < QB; u++)                                                       \
-                for (int z = 0; z < Z; z++)                                                    \
-                    r[u][z] = _mm512_mul_ps(_mm512_load_ps(acc + qi[u] * D + 16 * z),          \
-                                            _mm512_set1_ps(rescale[u]));                       \
-            for (int m = 0; m < TILE / 2; m++)                                                 \
-                for (int u = 0; u < QB; u++) {                                                 \
-                    const __m512bh pb = bcast(pw[u][m]);                                       \
-                    for (int z = 0; z < Z; z++)                                                \
-                        r[u][z] = _mm512_dpbf16_ps(r[u][z], (__m512bh)vp[m * Z + z], pb);      \
-                }                                                                              \
-            for (int u = QB - 1; u >= 0; u--) /* a repeated last query: its first copy wins */ \
-                for (int z = 0; z < Z; z++) _mm512_store_ps(acc + qi[u] * D + 16 * z, r[u][z]);\
         }                                                                                      \
     }                                                                                          \
     /* Lane 4L + j of accumulator z holds dim 32 (z / 2) + 8 L + 4 (z % 2) + j. */            \
