@@ -8,7 +8,7 @@ import torch
 
 from tutorserve import LLM
 from tutorserve.host_memory import HUGE_PAGE, gather_on_huge_pages, zeros_on_huge_pages
-from tutorserve.quant import QuantEmbedding, QuantLinear
+from tutorserve.quant import quantized_blocks
 
 CPU = torch.device("cpu")
 
@@ -62,13 +62,16 @@ def test_gathered_parameters_keep_their_values_and_sharing():
 
 
 def test_an_engine_keeps_its_blocks_in_one_buffer_and_its_kv_on_huge_pages(synth_llama):
-    engine = LLM(synth_llama, dtype="float32", quantization="int4").engine
+    """The target's KV cache and a draft model's (its own pool) alike."""
+    llm = LLM(synth_llama, dtype="float32", quantization="int4", speculative=f"draft:{synth_llama}")
+    engine = llm.engine
     model = engine.model
-    blocks = [p for m in model.modules() if isinstance(m, QuantLinear) for p in m.blocks]
-    blocks += [m.blocks for m in model.modules() if isinstance(m, QuantEmbedding)]
+    blocks = quantized_blocks(model)
     assert len(blocks) > 1
     assert len({p.untyped_storage().data_ptr() for p in blocks}) == 1
     _needs_thp()
-    for cache in (engine.runner.k_cache, engine.runner.v_cache):
+    caches = [engine.runner.k_cache, engine.runner.v_cache]
+    caches += [engine.proposer.k_cache, engine.proposer.v_cache]
+    for cache in caches:
         assert cache.nbytes > 2 * HUGE_PAGE
         assert _thp_eligible(cache.data_ptr() + cache.nbytes // 2)

@@ -12,7 +12,7 @@ from torch import nn
 from tutorserve.host_memory import gather_on_huge_pages
 from tutorserve.models.arch import Architecture
 from tutorserve.models.config import ModelConfig
-from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch
+from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch, quantized_blocks
 
 Loaded = torch.Tensor | QuantWeight  # a checkpoint tensor, as floats or as quantized blocks
 
@@ -105,8 +105,7 @@ def install_quantized(
     if model.config.tie_word_embeddings and isinstance(embed, QuantEmbedding):  # type: ignore[union-attr]
         model.lm_head = QuantLinear([embed.weight()], None, scratch, repack=False)
     # A step streams every block once: in one buffer on 2 MiB pages, not a TLB miss per 4 KiB.
-    blocks = [p for m in model.modules() if isinstance(m, QuantLinear) for p in m.blocks]
-    blocks += [m.blocks for m in model.modules() if isinstance(m, QuantEmbedding)]
+    blocks = quantized_blocks(model)
     if blocks:
         gather_on_huge_pages(blocks)
 

@@ -157,6 +157,12 @@ class QuantEmbedding(nn.Module):
         return flat.view(*ids.shape, self.embedding_dim)
 
 
+def quantized_blocks(model: nn.Module) -> list[nn.Parameter]:
+    """Every quantized layer's blocks in `model` (a tied head's are its embedding's)."""
+    blocks = [p for m in model.modules() if isinstance(m, QuantLinear) for p in m.blocks]
+    return blocks + [m.blocks for m in model.modules() if isinstance(m, QuantEmbedding)]
+
+
 def dequantizing_rows(model: nn.Module) -> int | None:
     """Tokens per step above which most of `model`'s quantized weight (by elements) is
     dequantized for a GEMM: such a step pays that once, whatever it computes. None when no

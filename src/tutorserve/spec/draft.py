@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tutorserve.host_memory import zeros_on_huge_pages
 from tutorserve.layers.attention import AttentionBatch, PrefillSpan, StepContext, select_backend
 from tutorserve.layers.attention.context import reset_context, set_context
 from tutorserve.models.config import ModelConfig
@@ -75,8 +76,8 @@ class DraftProposer(Proposer):
         self.dtype, self.device = dtype, device
         cfg = model.config
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.k_cache = zeros_on_huge_pages(shape, kv_dtype, self.device)
+        self.v_cache = zeros_on_huge_pages(shape, kv_dtype, self.device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
         self.backend = select_backend(self.device, self.dtype, kv_dtype, cfg.head_dim)
