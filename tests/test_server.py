@@ -314,7 +314,9 @@ def test_priority_orders_waiting_requests(limited_server):
     """Two blockers fill both running slots; of two waiting requests, the lower priority value
     is admitted when the first slot frees, ahead of the one that arrived earlier. Each request
     is sent once the server shows the one before it running or waiting, so the order does not
-    depend on how fast the model decodes."""
+    depend on how fast the model decodes. The waiting requests are long enough that the first
+    admitted ends 100 steps before the other (with 4 tokens each, the responses of two requests
+    ending a few steps apart could reach the client in either order)."""
 
     async def until(name: str, value: int) -> None:
         while (await asyncio.to_thread(limited_server.metrics))[f"tutorserve:{name}"] < value:
@@ -339,9 +341,9 @@ def test_priority_orders_waiting_requests(limited_server):
             sent = [asyncio.create_task(send("blocker-short", 1000, 0))]
             sent.append(asyncio.create_task(send("blocker-long", 1500, 0)))
             await until("num_requests_running", 2)
-            sent.append(asyncio.create_task(send("early-casual", 4, 5)))
+            sent.append(asyncio.create_task(send("early-casual", 100, 5)))
             await until("num_requests_waiting", 1)
-            sent.append(asyncio.create_task(send("late-urgent", 4, -5)))
+            sent.append(asyncio.create_task(send("late-urgent", 100, -5)))
             await until("num_requests_waiting", 2)
             assert not finished, "a blocker ended before both waiting requests were queued"
             await asyncio.gather(*sent)
