@@ -349,12 +349,10 @@ def test_the_cpu_kernel_matches_dense_attention_and_its_log_sum_exp(
 
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS.values(), ids=DTYPE_PAIRS.keys())
 @pytest.mark.parametrize(("kvh", "threads", "n"), [(3, 2, 1000), (1, 4, 1000), (1, 4, 300)])
-def test_a_decode_with_few_kv_heads_splits_its_keys_over_the_threads(
-    cpu_isa, dtypes, kvh, threads, n
-):
-    """Batch 1 has fewer (KV head) items than the threads have work for, so the kernel splits
-    each item's keys into parts and merges them by their log-sum-exps: 2 or 8 parts of whole
-    tiles, some past the keys (empty) with 300 keys, on a shuffled cache; against float64."""
+def test_a_decode_with_few_kv_heads_takes_its_keys_in_parts(cpu_isa, dtypes, kvh, threads, n):
+    """The kernel takes keys in parts of 256 and merges them by their log-sum-exps, so batch 1
+    (a few KV heads) gives every thread work: 4 parts for 1,000 keys, 2 for 300 (the second
+    short), on a shuffled cache; against float64."""
     qdt, kvdt = dtypes
     g = torch.Generator().manual_seed(n + kvh)
     blocks, block_size, dim, scale = 80, 16, 64, 0.125
@@ -374,6 +372,54 @@ def test_a_decode_with_few_kv_heads_splits_its_keys_over_the_threads(
     tol = _tolerance(dtypes)
     torch.testing.assert_close(out[0].double(), torch.softmax(scores, -1) @ v, atol=tol, rtol=tol)
     torch.testing.assert_close(lse[0].double(), torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
+
+
+def _with_threads(threads, fn, *args):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS.values(), ids=DTYPE_PAIRS.keys())
+def test_a_querys_result_does_not_depend_on_what_else_the_call_computes(cpu_isa, dtypes):
+    """Bit for bit, a token's attention is the same alone, beside other rows (shorter, and
+    longer: more parts than its own), on other thread counts, and as the first of five tokens
+    of a causal span (a token verified with its speculative drafts): greedy speculative decoding
+    equals plain decoding only if it is. Positions around the 256-key parts and 16-key tiles."""
+    qdt, kvdt = dtypes
+    g = torch.Generator().manual_seed(21)
+    kvh, group, bs, blocks, dim, drafts = 3, 3, 16, 160, 64, 4
+    k_cache = torch.randn(kvh, blocks, bs, dim, generator=g).to(kvdt)
+    v_cache = torch.randn(kvh, blocks, bs, dim, generator=g).to(kvdt)
+    order = torch.randperm(blocks, generator=g)
+    table, others = order[:50], [order[50:53], order[53:113]]  # 800 keys; 40 and 950 beside
+    for pos in (15, 254, 255, 256, 511, 600):
+        span_len = pos + 1 + drafts
+        q = torch.randn(1, kvh, (1 + drafts) * group, dim, generator=g).to(qdt)
+        span, span_lse = _with_threads(
+            2, paged_attention, q, k_cache, v_cache, table[None], torch.tensor([span_len]),
+            dim**-0.5, torch.tensor([pos]), group,
+        )  # fmt: skip
+        first = q[:, :, :group]
+        alone = _with_threads(
+            2, paged_attention, first, k_cache, v_cache, table[None], torch.tensor([pos + 1]),
+            dim**-0.5,
+        )  # fmt: skip
+        rows = torch.cat([torch.randn(1, kvh, group, dim, generator=g).to(qdt), first,
+                          torch.randn(1, kvh, group, dim, generator=g).to(qdt)])  # fmt: skip
+        tables = torch.zeros(3, 60, dtype=torch.int64)  # past a set's blocks: never read
+        for r, t in enumerate((others[0], table, others[1])):
+            tables[r, : len(t)] = t
+        batched = _with_threads(
+            3, paged_attention, rows, k_cache, v_cache, tables,
+            torch.tensor([40, pos + 1, 950]), dim**-0.5,
+        )  # fmt: skip
+        for out, lse in (alone, (batched[0][1:2], batched[1][1:2])):
+            assert torch.equal(out, span[:, :, :group]), pos
+            assert torch.equal(lse, span_lse[:, :, :group]), pos
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_PAIRS.values(), ids=DTYPE_PAIRS.keys())

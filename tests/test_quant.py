@@ -60,6 +60,14 @@ def as_kernel_reads(x: torch.Tensor) -> np.ndarray:
     return (codes.astype(np.float64) * (amax / np.float32(127))).reshape(v.shape)
 
 
+def assert_rows_as_alone(w: torch.Tensor, fmt: str, k: int, x: torch.Tensor, y: torch.Tensor):
+    """Each row of a matmul is bit for bit what it gives alone: the tile a row shares with
+    others must not change its sums (speculative drafts verified beside a row must give it
+    plain decoding's logits)."""
+    for r in range(x.shape[0]):
+        assert torch.equal(quant.matmul(w, fmt, k, x[r : r + 1])[0], y[r]), f"row {r}"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernels_match_gguf_dequantize_and_a_float64_matmul(cpu_isa, fmt):
     k = 512 if quant.FORMATS[fmt][1] == 256 else 96  # whole blocks, an odd count of them
@@ -76,6 +84,7 @@ def test_kernels_match_gguf_dequantize_and_a_float64_matmul(cpu_isa, fmt):
             y = quant.matmul(w, fmt, k, x)
             want = as_kernel_reads(x) @ ref.T  # exact products, float32 sums
             np.testing.assert_allclose(y.double().numpy(), want, atol=2e-6 * np.abs(want).max())
+            assert_rows_as_alone(w, fmt, k, x, y)
             out = quant.matmul(w, fmt, k, x, torch.empty(batch, 67, dtype=torch.bfloat16))
             assert torch.equal(out, y.bfloat16())  # one rounding, to nearest even, as PyTorch's
 
@@ -99,6 +108,7 @@ def test_repacked_rows_dequantize_and_multiply_as_their_gguf_rows(cpu_isa, fmt):
             y = quant.matmul(w, repacked, k, x)
             want = as_kernel_reads(x) @ ref.T
             np.testing.assert_allclose(y.double().numpy(), want, atol=2e-6 * np.abs(want).max())
+            assert_rows_as_alone(w, repacked, k, x, y)
             out = quant.matmul(w, repacked, k, x, torch.empty(batch, 64, dtype=torch.bfloat16))
             assert torch.equal(out, y.bfloat16())
     # Rows not in sixteens, and formats without a repacked layout, stay as they are.

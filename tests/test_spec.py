@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tutorserve import LLM, SamplingParams
-from tutorserve.engine.sampler import verify
+from tutorserve.engine import model_runner
+from tutorserve.engine.sampler import sample, verify
 from tutorserve.engine.sequence import Sequence
 from tutorserve.layers.attention.gather import GatherBackend
 from tutorserve.lora.synth import synth_lora
@@ -117,6 +118,56 @@ def test_greedy_output_is_identical_with_speculation(
     # Both kinds of step happened: drafts accepted, and drafts rejected.
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     _no_leaks(llm)
+
+
+def logits_by_context(monkeypatch) -> dict[tuple[int, ...], torch.Tensor]:
+    """Every logit row the engine samples or verifies from, keyed by the tokens before it."""
+    seen: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def sampling(logits, seqs, generator):
+        for row, seq in zip(logits, seqs, strict=True):
+            seen[tuple(seq.token_ids)] = row.clone()
+        return sample(logits, seqs, generator)
+
+    def verifying(logits, seq, generator):
+        for j, row in enumerate(logits):
+            seen[(*seq.token_ids, *seq.spec_token_ids[:j])] = row.clone()
+        return verify(logits, seq, generator)
+
+    monkeypatch.setattr(model_runner, "sample", sampling)
+    monkeypatch.setattr(model_runner, "verify", verifying)
+    return seen
+
+
+def test_the_default_model_verifies_with_plain_decodings_logits_bit_for_bit(monkeypatch):
+    """The default model as served (bf16, on its Q4_1 blocks, the layers in one C call), two
+    requests in flight: every logit row of a token verified with drafts after it equals, bit for
+    bit, the row plain decoding computes from the same tokens, so greedy replies are the same
+    where bf16 sums taken in another order would flip near-ties (they did, in 52 of 76 rows,
+    before the kernels gave a row the same bits whatever shares its step: tests/test_quant.py,
+    tests/test_attention.py). Prompts past 256 tokens, so attention merges parts."""
+    seen = logits_by_context(monkeypatch)
+    prompts = [
+        "Explain step by step how to solve 3x + 5 = 20, then check the answer. " * 12,
+        "Write a short story about a student who learns fractions by baking a cake. " * 18,
+    ]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = []
+    for spec in ({}, SPEC):
+        seen.clear()
+        llm = LLM("smollm2-135m-instruct", dtype="bfloat16", max_num_seqs=2, **spec)
+        assert llm.engine.model.fused_decode is not None
+        outs = llm.generate(prompts, params)
+        assert all(len(o.prompt_token_ids) > 256 for o in outs)
+        runs.append(([o.token_ids for o in outs], dict(seen)))
+        _no_leaks(llm)
+    spec = llm.engine.stats().spec
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    (plain, plain_rows), (tokens, spec_rows) = runs
+    common = plain_rows.keys() & spec_rows.keys()
+    assert len(common) >= len(prompts) * params.max_tokens
+    assert all(torch.equal(plain_rows[c], spec_rows[c]) for c in common)
+    assert tokens == plain
 
 
 def test_cached_blocks_hold_no_rejected_draft(synth_llama, mixed_prompts, plain):

@@ -6,8 +6,10 @@
  * online softmax (running max and sum; the accumulator is rescaled when the max grows), so
  * nothing is gathered and each K/V byte is read once per set. Outputs are float32 together with
  * the log-sum-exp of the scores, so that a caller can merge partial results (cascade attention).
- * A decode too small to give every thread work (batch 1: a few KV heads) splits each head's keys
- * into parts, merged here the same way.
+ * Keys are taken in parts of PART, merged here the same way: a decode of a few KV heads (batch 1)
+ * gives every thread work, and since parts are fixed by key position, not by the call's shape, a
+ * query's result is the same bit for bit whatever else the call computes: a decode row alone, in a
+ * batch, or a token verified with the speculative drafts after it (causal) all sum alike.
  *
  * Layouts (all contiguous):
  *   q       [sets, kv_heads, nq, dim] float32 or bfloat16 (`q_bf16`)
@@ -19,6 +21,7 @@
  *           i then sees keys up to position causal + i / group (NULL: every query sees all)
  *   out     [sets, kv_heads, nq, dim] float32
  *   lse     [sets, kv_heads, nq] float32 (-inf for a set with no keys)
+ * Returns 0; -1 for a head size it does not take; -2 when the parts' buffer cannot be allocated.
  * Every level (simd.h) runs the float32 path, which widens K/V on load. The AVX512-BF16 build
  * takes q and K/V both in bf16 at head sizes 64 and 128 through the bf16 dot-product path.
  */
@@ -26,7 +29,7 @@
 
 #include "simd.h"
 
-enum { TILE = 16, QCHUNK = 32, MAX_DIM = 256, PREFETCH = 32, MIN_SPLIT = 128 };
+enum { TILE = 16, QCHUNK = 32, MAX_DIM = 256, PREFETCH = 32, PART = 256 };
 
 typedef struct {
     const void *q, *k, *v;
@@ -231,6 +234,11 @@ static inline void transpose_keys(const uint16_t *k, const int64_t at[TILE], int
         for (int u = 0; u < QN; u++) {                                                         \
             const int64_t i = i0 + u;                                                          \
             const __mmask16 valid = lanes(visible(a, set, q0 + i), t0);                        \
+            if (!valid) { /* a causal query past its keys: the tile changes nothing */         \
+                rescale[u] = 1.f;                                                              \
+                memset(pw[u], 0, sizeof pw[u]);                                                \
+                continue;                                                                      \
+            }                                                                                  \
             const __m512 sc = _mm512_mask_blend_ps(                                            \
                 valid, minus_inf, _mm512_mul_ps(_mm512_add_ps(s[u][0], s[u][1]), scale));      \
             const float m = fmaxf(peak[i], _mm512_reduce_max_ps(sc));                          \
@@ -312,22 +320,17 @@ ATTEND_BF16(64)
 ATTEND_BF16(128)
 #endif
 
-/* Keys of each part when a set of `len` keys is split in `splits`: whole tiles, at least
- * MIN_SPLIT keys (a shorter part costs more to merge than it saves). */
-static int64_t split_step(int64_t len, int64_t splits) {
-    if (splits == 1) return len;
-    const int64_t step = ((len + splits - 1) / splits + TILE - 1) / TILE * TILE;
-    return step < MIN_SPLIT ? MIN_SPLIT : step;
-}
-
-/* out, lse of each row from its parts' (each part's output already normalized by its own sum). */
-static void merge_parts(const float *part_out, const float *part_lse, int64_t splits,
-                        int64_t rows, int64_t dim, float *out, float *lse) {
+/* out, lse of each row from its parts' (each part's output already normalized by its own sum),
+ * in part order. A row's parts past its keys add exact zeros, and one part alone is copied
+ * exactly (e^0 = 1), so the sum does not depend on how many parts the call has. */
+static void merge_parts(const float *part_out, const float *part_lse, int64_t parts,
+                        int64_t rows, int64_t dim, float *out, float *lse, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * parts * dim > 65536)
     for (int64_t r = 0; r < rows; r++) {
         float m = -INFINITY, sum = 0.f;
-        for (int64_t p = 0; p < splits; p++) m = fmaxf(m, part_lse[p * rows + r]);
+        for (int64_t p = 0; p < parts; p++) m = fmaxf(m, part_lse[p * rows + r]);
         for (int64_t d = 0; d < dim; d++) out[r * dim + d] = 0.f;
-        for (int64_t p = 0; p < splits && m > -INFINITY; p++) {
+        for (int64_t p = 0; p < parts && m > -INFINITY; p++) {
             const float e = expf(part_lse[p * rows + r] - m);
             const float *o = part_out + (p * rows + r) * dim;
             for (int64_t d = 0; d < dim; d++) out[r * dim + d] += e * o[d];
@@ -353,27 +356,25 @@ int paged_attention(const void *q, const void *k, const void *v, const int64_t *
     if (q_bf16 && kv_bf16 && dim == 128) attend = attend_bf16_128;
 #endif
     const int64_t chunks = (nq + QCHUNK - 1) / QCHUNK, items = sets * kv_heads * chunks;
-    /* With fewer items than threads have work for (a decode batch of one or two: a few KV
-     * heads), each item's keys are split, so that every thread reads a share of the cache; the
-     * parts are merged by their log-sum-exps. Prefill chunks have items enough. */
-    int64_t splits = 1;
-    if (causal == NULL && items < 2 * num_threads) splits = (2 * num_threads - 1) / items + 1;
+    int64_t longest = 0;
+    for (int64_t s = 0; s < sets; s++) longest = lens[s] > longest ? lens[s] : longest;
+    const int64_t parts = longest > PART ? (longest + PART - 1) / PART : 1;
     const int64_t rows = sets * kv_heads * nq;
     float *part_out = NULL;
-    if (splits > 1 && !(part_out = malloc(sizeof(float) * (size_t)(splits * rows * (dim + 1)))))
-        splits = 1;
-    float *part_lse = splits > 1 ? part_out + splits * rows * dim : NULL;
+    if (parts > 1 && !(part_out = malloc(sizeof(float) * (size_t)(parts * rows * (dim + 1)))))
+        return -2;
+    float *part_lse = parts > 1 ? part_out + parts * rows * dim : NULL;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t i = 0; i < items * splits; i++) {
-        const int64_t p = i % splits, sh = i / splits / chunks, q0 = i / splits % chunks * QCHUNK;
-        const int64_t row = sh * nq + q0, step = split_step(lens[sh / kv_heads], splits);
+    for (int64_t i = 0; i < items * parts; i++) {
+        const int64_t p = i % parts, sh = i / parts / chunks, q0 = i / parts % chunks * QCHUNK;
+        const int64_t row = sh * nq + q0;
         const Part w = {sh / kv_heads, sh % kv_heads, q0, nq - q0 < QCHUNK ? nq - q0 : QCHUNK,
-                        p * step, (p + 1) * step,
-                        splits > 1 ? part_out + (p * rows + row) * dim : out + row * dim,
-                        splits > 1 ? part_lse + p * rows + row : lse + row};
+                        p * PART, (p + 1) * PART,
+                        parts > 1 ? part_out + (p * rows + row) * dim : out + row * dim,
+                        parts > 1 ? part_lse + p * rows + row : lse + row};
         attend(&a, &w);
     }
-    if (splits > 1) merge_parts(part_out, part_lse, splits, rows, dim, out, lse);
+    if (parts > 1) merge_parts(part_out, part_lse, parts, rows, dim, out, lse, num_threads);
     free(part_out);
     return 0;
 }

@@ -68,6 +68,8 @@ def paged_attention(
             group, dim, num_blocks, block_size, tables.shape[1], scale, DTYPES[q.dtype],
             DTYPES[k_cache.dtype], out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+    if status == -2:
+        raise MemoryError("paged_attention cannot allocate its parts' buffer")
     if status != 0:
         raise ValueError(f"paged_attention cannot run head size {dim}")
     return out, lse

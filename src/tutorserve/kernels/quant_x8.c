@@ -106,10 +106,11 @@ __attribute__((always_inline)) static inline void step(const Args *a, const int 
 }
 
 /* y[b, r] for ROWS activation rows from b0; FMT and ROWS are compile-time in the callers, so
- * each pair gets its own loop with the accumulators in registers. Below four rows, each row has
- * two, for alternate steps, so that consecutive steps do not wait on each other's multiply-add
- * latency; with more rows that latency is hidden already, and twice the accumulators spill. A
- * K-quant's block is taken whole: its scales once, its eight sub-blocks unrolled. */
+ * each pair gets its own loop with the accumulators in registers. Each row has two, for
+ * alternate steps, so that consecutive steps do not wait on each other's multiply-add latency,
+ * and at every ROWS: a row's sum is then the same whatever rows share its tile (a row verifying
+ * speculative drafts gets the logits that plain decoding would give it). A K-quant's block is
+ * taken whole: its scales once, its eight sub-blocks unrolled. */
 __attribute__((always_inline)) static inline void tile(const Args *a, const int FMT, int64_t r,
                                                        int64_t b0, const int ROWS) {
     const uint8_t *row = a->w + r * (a->units * 32 / group_of(FMT)) * bytes_of(FMT);
@@ -124,14 +125,14 @@ __attribute__((always_inline)) static inline void tile(const Args *a, const int 
                 unit u[STEP];
                 for (int t = 0; t < STEP; t++) u[t] = k_unit(FMT, b, j + t);
                 accumulate(a, FMT, join(u), lanes_at(s.d, j), lanes_at(s.m, j), i + j, b0, ROWS,
-                           acc, ROWS < 4 ? j / STEP % 2 : 0, 1);
+                           acc, j / STEP % 2, 1);
             }
         }
     } else {
         int64_t i = 0;
         for (; i + 2 * STEP <= a->units; i += 2 * STEP) {
             step(a, FMT, row, i, b0, ROWS, acc, 0, 1);
-            step(a, FMT, row, i + STEP, b0, ROWS, acc, ROWS < 4, 1);
+            step(a, FMT, row, i + STEP, b0, ROWS, acc, 1, 1);
         }
         for (; i < a->units; i += STEP) step(a, FMT, row, i, b0, ROWS, acc, 0, i + 1 < a->units);
     }
