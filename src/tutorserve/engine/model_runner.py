@@ -15,7 +15,6 @@ from tutorserve.engine.outputs import TokenLogprob
 from tutorserve.engine.sampler import sample, verify
 from tutorserve.engine.scheduler import SchedulerOutput
 from tutorserve.engine.sequence import Sequence
-from tutorserve.host_memory import zeros_on_huge_pages
 from tutorserve.layers.attention import AttentionBatch, PrefillSpan, StepContext, select_backend
 from tutorserve.layers.attention.context import reset_context, set_context
 from tutorserve.layers.lora import LoRABatch
@@ -53,16 +52,13 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids  # banned before a request's min_tokens
         self.block_size = config.block_size
         self.device = device
-        cfg = model.config
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, config.block_size, cfg.head_dim)
         self.dtype = dtype
-        self.k_cache = zeros_on_huge_pages(shape, kv_dtype, device)
-        self.v_cache = zeros_on_huge_pages(shape, kv_dtype, device)
-        for i, attn in enumerate(model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
+        self.k_cache, self.v_cache = model.allocate_kv_cache(
+            num_blocks, config.block_size, kv_dtype, device
+        )
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
         self.share_prefixes = config.enable_prefix_caching
-        self.backend = select_backend(device, dtype, kv_dtype, cfg.head_dim)
+        self.backend = select_backend(device, dtype, kv_dtype, model.config.head_dim)
         self.workspace: dict[str, torch.Tensor] = {}
         self.last_forward_s = 0.0
         self.num_lora_slots = 0  # set when LoRA is enabled

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tutorserve.host_memory import zeros_on_huge_pages
 from tutorserve.layers.activation import silu_and_mul
 from tutorserve.layers.attention import PagedAttention
 from tutorserve.layers.norm import RMSNorm
@@ -120,3 +121,15 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V caches [layers, kv_heads, blocks, block_size, head_dim] (on 2 MiB pages
+        where the host allows: attention streams through them), each layer bound to its slice."""
+        cfg = self.config
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        k, v = (zeros_on_huge_pages(shape, dtype, device) for _ in range(2))
+        for i, attn in enumerate(self.attention_layers()):
+            attn.k_cache, attn.v_cache = k[i], v[i]
+        return k, v

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tutorserve.host_memory import zeros_on_huge_pages
 from tutorserve.layers.attention import AttentionBatch, PrefillSpan, StepContext, select_backend
 from tutorserve.layers.attention.context import reset_context, set_context
 from tutorserve.models.config import ModelConfig
@@ -74,13 +73,10 @@ class DraftProposer(Proposer):
         model's activations (its parameters may be quantized blocks, stored as bytes)."""
         self.model, self.vocab_size, self.block_size = model, vocab_size, block_size
         self.dtype, self.device = dtype, device
-        cfg = model.config
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        self.k_cache = zeros_on_huge_pages(shape, kv_dtype, self.device)
-        self.v_cache = zeros_on_huge_pages(shape, kv_dtype, self.device)
-        for i, attn in enumerate(model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.k_cache[i], self.v_cache[i]
-        self.backend = select_backend(self.device, self.dtype, kv_dtype, cfg.head_dim)
+        self.k_cache, self.v_cache = model.allocate_kv_cache(
+            num_blocks, block_size, kv_dtype, self.device
+        )
+        self.backend = select_backend(self.device, self.dtype, kv_dtype, model.config.head_dim)
         self.pool = BlockPool(num_blocks)
         self.requests: dict[str, _DraftKV] = {}
         self.cached_tokens = 0  # prompt tokens found in the cache, not computed again
