@@ -55,7 +55,7 @@ def test_session_id_in_body_and_bad_header(live_server):
         model="tiny",
         messages=[{"role": "user", "content": "hello"}],
         max_tokens=2,
-        extra_body={"session_id": "s-1"},
+        extra_body={"session_id": "s-1", "ignore_eos": True},  # sampled at temperature 1
     )
     assert out.choices[0].finish_reason == "length"
     r = chat(live_server, [{"role": "user", "content": "hi"}], session="x" * 300)
