@@ -107,16 +107,23 @@ void tutorserve_unpack16_row(const void *w, int fmt, int64_t r, int64_t k, uint8
 }
 
 #if defined(TS_AVX512) || defined(TS_AVX2)
+/* Activation rows a tile holds: with AVX-512's 32 registers, eight rows' sums (two each) and
+ * the codes fit; AVX2's sixteen hold four. */
+#if defined(TS_AVX512)
+#define TILE_ROWS 8
+#else
+#define TILE_ROWS 4
+#endif
 /* Lanes part·W .. part·W + W − 1 of sixteen rows' group g, for ROWS activation rows from b0. */
 __attribute__((always_inline)) static inline void group_tile(const Args *a, const int FMT,
                                                              int64_t g, int part, int64_t b0,
                                                              const int ROWS) {
     const int nb = bytes_of(FMT), head = head_bytes(FMT);
-    vf acc[MAX_ROWS];
+    vf acc[TILE_ROWS];
     for (int b = 0; b < ROWS; b++) acc[b] = vzero();
     for (int64_t i = 0; i < a->blocks; i++) {
         const uint8_t *blk = a->w + (g * a->blocks + i) * LANES * nb;
-        vf part_sum[MAX_ROWS];
+        vf part_sum[TILE_ROWS];
         for (int b = 0; b < ROWS; b++) part_sum[b] = vzero();
         for (int j = 0; j < words_of(FMT); j++) {
             const vi v = vi_load(blk + head * LANES + (j * LANES + part * W) * 4);
@@ -159,12 +166,18 @@ __attribute__((always_inline)) static inline void group_tile(const Args *a, cons
 __attribute__((always_inline)) static inline void group(const Args *a, int64_t g, int64_t batch,
                                                         const int FMT) {
     for (int part = 0; part < LANES / W; part++)
-        for (int64_t b0 = 0; b0 < batch; b0 += MAX_ROWS) {
-            switch (batch - b0 < MAX_ROWS ? batch - b0 : MAX_ROWS) {
+        for (int64_t b0 = 0; b0 < batch; b0 += TILE_ROWS) {
+            switch (batch - b0 < TILE_ROWS ? batch - b0 : TILE_ROWS) {
             case 1: group_tile(a, FMT, g, part, b0, 1); break;
             case 2: group_tile(a, FMT, g, part, b0, 2); break;
             case 3: group_tile(a, FMT, g, part, b0, 3); break;
-            default: group_tile(a, FMT, g, part, b0, MAX_ROWS); break;
+#if TILE_ROWS > 4
+            case 4: group_tile(a, FMT, g, part, b0, 4); break;
+            case 5: group_tile(a, FMT, g, part, b0, 5); break;
+            case 6: group_tile(a, FMT, g, part, b0, 6); break;
+            case 7: group_tile(a, FMT, g, part, b0, 7); break;
+#endif
+            default: group_tile(a, FMT, g, part, b0, TILE_ROWS); break;
             }
         }
 }

@@ -6,6 +6,8 @@
 #include "blocks.h"
 #include "int8_dot.h"
 
+/* MAX_ROWS: activation rows a tile holds in the K-quants and the plain-C path (quant_rows16.c's
+ * vector tiles hold TILE_ROWS). */
 enum { LANES = 16, MAX_ROWS = 4 };
 
 typedef struct {
