@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 from tqdm import tqdm
 
-from tutorserve import LLM, SamplingParams
-from tutorserve.bench.workloads import edu_shared_prefix
+from tutorserve import LLM
+from tutorserve.bench.profile import seconds_per_step, start_decoding
 from tutorserve.kernels import isa
 from tutorserve.quant import QuantLinear
 from tutorserve.spec.backoff import FixedBackoff
@@ -47,21 +46,13 @@ def main(quantization: str) -> None:
         heads["repacked"] = QuantLinear(
             [model.embed_tokens.weight()], None, model.lm_head.scratch, repack=True
         )
-    request = edu_shared_prefix(llm.tokenizer, seed=1)[0]
-    engine.add_request("r", request.prompt_token_ids,
-                       SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))  # fmt: skip
-    seq = engine.scheduler
-    while not seq.running or seq.running[0].num_computed_tokens < seq.running[0].num_prompt_tokens:
-        engine.step()
+    start_decoding(llm, 1, 4000)
     ms: dict[tuple[str, int], list[float]] = {(h, k): [] for k in DRAFTS for h in heads}
     for _ in tqdm(range(TURNS), desc="turns"):
         for head, k in ms:
             model.lm_head, proposer.k = heads[head], k
             engine.step()  # the first step with a new k drafts it
-            start = time.perf_counter()
-            for _ in range(STEPS):
-                engine.step()
-            ms[(head, k)].append((time.perf_counter() - start) / STEPS * 1e3)
+            ms[(head, k)].append(1000 * seconds_per_step(llm, STEPS))
     base = statistics.median(ms[("gguf", 0)])
     print(f"kernels: {isa.active().level if isa.active() else 'none'}; quantization {quantization}")
     print("| LM head | drafts | query rows | ms per step | vs a plain step |")
