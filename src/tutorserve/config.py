@@ -95,6 +95,14 @@ class EngineConfig:
     scheduling: str = _option("cache-aware", Flag("admission order within a priority"))
     max_bypass: int = 32  # times a request may be passed over by a later arrival
     seed: int = _option(0, Flag("sampling seed for requests without one"))
+    # vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference: bf16 sums that
+    # PyTorch's GEMMs order by the batch's shape, and cascade attention's merge, otherwise make
+    # a row's tokens depend on its neighbours (docs/benchmarks/speculative.md).
+    batch_invariant: bool = _option(
+        False,
+        Flag("give a request the same tokens whatever else the batch holds (every matmul on "
+             "quantized blocks, no cascade attention; slower prefill and large batches)"),
+    )  # fmt: skip
     num_threads: int | None = _option(None, Flag("CPU threads (default: PyTorch's)", type=int))
     # For calibrating the simulator on the steps an engine runs in a server (bench/calibrate.py).
     step_log_dir: str | None = _option(
@@ -178,6 +186,9 @@ class EngineConfig:
             raise ValueError("max_loras must be >= 1 and max_cpu_loras >= max_loras")
         if not 1 <= self.max_lora_rank <= 256:
             raise ValueError("max_lora_rank must be in 1..256")
+        if self.batch_invariant and self.enable_lora:
+            raise ValueError("batch_invariant does not cover LoRA adapters (their low-rank "
+                             "matmuls are PyTorch's): turn one of them off")  # fmt: skip
         if self.kv_disk_bytes and not self.kv_disk_dir:
             raise ValueError("kv_disk_dir is required when the disk tier is on")
         if self.session_ttl <= 0:

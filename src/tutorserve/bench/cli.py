@@ -30,6 +30,7 @@ _OFFLINE_ENGINE_OPTIONS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "scheduling",
+    "batch_invariant",
 )
 
 
@@ -158,7 +159,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     add_engine_args(p, only=("quantization", "num_speculative_tokens",
                              "speculative_disable_by_batch_size",
-                             "speculative_backoff"))  # fmt: skip
+                             "speculative_backoff", "batch_invariant"))  # fmt: skip
     p.add_argument("--out", default="bench-results/spec")
     p.set_defaults(func=cmd_spec)
 
@@ -176,7 +177,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser("roofline", help="this machine's decode upper bound for a model")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", **DTYPE_ARG)
-    add_engine_args(p, only=("quantization",))
+    add_engine_args(p, only=("quantization", "batch_invariant"))
     p.add_argument("--context", type=int, default=1500, help="KV tokens per sequence")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument(
@@ -638,14 +639,15 @@ def cmd_roofline(a: argparse.Namespace) -> int:
     from tutorserve.bench.profile import seconds_per_step, start_decoding, stop_decoding
     from tutorserve.bench.roofline import decode_bound, measure_machine, num_params, weight_bytes
 
-    llm = LLM(a.model, dtype=a.dtype, quantization=a.quantization)
+    llm = LLM(a.model, **engine_options(a), dtype=a.dtype)
     model = llm.engine.model
     cfg, weights = model.config, weight_bytes(model)
     kv_value = model.attention_layers()[0].k_cache.element_size()
     m = measure_machine()
     print(
         f"{a.model}: {num_params(cfg) / 1e6:.1f} M parameters; as loaded ({a.dtype}, "
-        f"quantization {a.quantization}) a decode step reads {weights / 1e6:.1f} MB of weights "
+        f"quantization {a.quantization}{', batch-invariant' * a.batch_invariant}) a decode "
+        f"step reads {weights / 1e6:.1f} MB of weights "
         f"and {cfg.kv_bytes_per_token(kv_value)} bytes of KV per context token"
     )
     print(

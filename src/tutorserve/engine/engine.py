@@ -21,7 +21,7 @@ from tutorserve.engine.stats import EngineStats, SpecCounters
 from tutorserve.engine.step_log import StepLogFile, StepRecord
 from tutorserve.lora.manager import LoRAManager
 from tutorserve.models.loader import load_model, load_model_config
-from tutorserve.quant.layers import dequantizing_rows
+from tutorserve.quant.layers import dequantizing_rows, keep_on_blocks
 from tutorserve.sampling_params import SamplingParams
 from tutorserve.spec import DraftProposer, Proposer, draft_model_name, proposer_named, scope_key
 from tutorserve.spec.backoff import backoff_named
@@ -78,6 +78,8 @@ class LLMEngine:
         self.model, self.tokenizer = load_model(
             config.model, self.dtype, self.device, config.quantization
         )
+        if config.batch_invariant:
+            keep_on_blocks(self.model)
         bs, kv_size = config.block_size, torch.finfo(self.kv_dtype).bits // 8
         per_token = self.model.config.kv_bytes_per_token(kv_size)
         if draft:  # a draft model's KV has as many blocks, out of the same byte budget

@@ -57,7 +57,10 @@ class ModelRunner:
             num_blocks, config.block_size, kv_dtype, device
         )
         self.generator = torch.Generator(device=device).manual_seed(config.seed)
-        self.share_prefixes = config.enable_prefix_caching
+        # Cascade attention merges a course prompt's part with each row's own by log-sum-exp,
+        # which rounds otherwise than the row's keys in one pass: under batch invariance a row
+        # reads its whole context itself.
+        self.share_prefixes = config.enable_prefix_caching and not config.batch_invariant
         self.backend = select_backend(device, dtype, kv_dtype, model.config.head_dim)
         self.workspace: dict[str, torch.Tensor] = {}
         self.last_forward_s = 0.0

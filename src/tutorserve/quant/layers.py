@@ -10,11 +10,13 @@ No layer keeps a float copy, but the buffer grows to the largest weight used tha
 head's, when more than 12 rows sample); a layer that finds its own weight still there (the LM
 head, when the other layers stay on their blocks) does not dequantize it again. Rewriting it
 for every layer makes prefill-sized batches slower than a model dequantized once
-(docs/benchmarks/quantization.md).
+(docs/benchmarks/quantization.md). Under `--batch-invariant` every row count stays on the
+blocks (`keep_on_blocks`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable
 
@@ -172,3 +174,20 @@ def dequantizing_rows(model: nn.Module) -> int | None:
         if isinstance(layer, QuantLinear):
             weight[layer.gemv_rows] += layer.in_features * layer.out_features
     return weight.most_common(1)[0][0] if weight else None
+
+
+def keep_on_blocks(model: nn.Module) -> None:
+    """Every quantized linear multiplies on its blocks at any row count (`--batch-invariant`).
+    The block kernels sum each activation row alone, in one order whatever the batch holds;
+    PyTorch's GEMM on a dequantized weight orders a row's sums by the batch's shape, so in bf16
+    a row's logits, and at a near-tie its token, would depend on its neighbours. ValueError
+    for a model with a linear layer that is not on quantized blocks."""
+    plain = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if plain:
+        raise ValueError(
+            f"batch_invariant needs every linear layer on quantized blocks (a GGUF with "
+            f"quantization auto on a CPU, or int8/int4): {plain[0]} is not"
+        )
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.gemv_rows = sys.maxsize
