@@ -1,12 +1,12 @@
 """`--batch-invariant` on the default model (bf16, its blocks): what it keeps and what it costs.
 
     .venv/bin/python bench/batch_invariant.py same   # greedy replies alone vs 16 in flight
-    .venv/bin/python bench/batch_invariant.py cost   # prefill tok/s, decode ms/step at 1-64
+    .venv/bin/python bench/batch_invariant.py cost   # prefill tok/s, decode ms/step at 1, 8, 64
 
 `same`: 16 students of two courses (`edu-shared-prefix`, ~1,100-token prompts), 32 greedy
 tokens each, one request at a time and all 16 in flight, with and without the option: how many
 replies are the same both ways. `cost`: 16 prompts of distinct courses prefilled (one output
-token each, no prefix caching), then decode steps of `bench.profile` at batch 1, 8, 32 and 64;
+token each, no prefix caching), then decode steps of `bench.profile` at batch 1, 8 and 64;
 each mode in a fresh engine, the two modes in turns, twice.
 """
 
@@ -22,7 +22,7 @@ from tutorserve.bench.profile import seconds_per_step, start_decoding, stop_deco
 from tutorserve.bench.workloads import edu_shared_prefix
 from tutorserve.kernels import isa
 
-MODEL, BATCHES = "smollm2-135m-instruct", (1, 8, 32, 64)
+MODEL, BATCHES = "smollm2-135m-instruct", (1, 8, 64)
 
 
 def replies(invariant: bool, in_flight: int) -> list[list[int]]:

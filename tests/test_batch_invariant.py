@@ -16,9 +16,9 @@ SPEC = {"speculative": "suffix", "speculative_disable_by_batch_size": 64,
 def test_a_request_gets_the_same_tokens_whatever_shares_its_steps():
     """One request at a time (each prompt one prefill chunk, decode at batch 1) against four in
     flight (512-token chunks beside decode rows; without the option, four students of a course
-    share their prompt's attention by cascade) and four in flight verifying suffix drafts. In
-    bf16 without the option, 4 of 8 such replies at 8 in flight part from one at a time's
-    (docs/benchmarks/speculative.md, *Batch-invariant decoding*)."""
+    share their prompt's attention by cascade) and four in flight verifying suffix drafts.
+    Without the option the first reply parts at its 14th token here, and 7 of 16 replies at 16
+    in flight (`bench/batch_invariant.py same`)."""
     runs = []
     for options in ({"max_num_seqs": 1}, {"max_num_batched_tokens": 512}, SPEC):
         llm = LLM("smollm2-135m-instruct", dtype="bfloat16", batch_invariant=True, **options)

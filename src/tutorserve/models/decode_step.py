@@ -8,7 +8,8 @@ in C, which rounds its exponentials like C, not like PyTorch). It takes a step w
 piece has a CPU kernel: attention read in place by the CPU kernel, no token on a LoRA
 adapter, projections on quantized blocks at a batch they keep on their blocks (decode rows,
 rows verifying speculative drafts, short prefill chunks: 256 tokens in all on repacked
-weights, 12 on others; any step under `--batch-invariant`), no per-head q/k norm. Any other step, or model, runs layer by layer.
+weights, 12 on others; any step under `--batch-invariant`), no per-head q/k norm. Any other
+step, or model, runs layer by layer.
 """
 
 from __future__ import annotations
