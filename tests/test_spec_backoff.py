@@ -79,3 +79,25 @@ def test_the_engine_measures_both_choices_and_decodes_as_without_speculation(
     arms = llm.engine.backoff.buckets[MeasuredBackoff.bucket(16)].arms
     assert min(a.samples for a in arms) >= MeasuredBackoff.WARMUP
     assert all(a.per_token > 0 for a in arms)
+
+
+def test_the_engine_asks_for_the_batch_the_step_will_hold(synth_llama, mixed_prompts):
+    """A request arriving between steps joins the next one: the back-off is asked for that
+    batch, so a step over the ceiling verifies no drafts (asked for the batch the last step
+    left, it drafted for the one request running and verified beside the newcomer)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(synth_llama, dtype="float32", speculative="ngram", speculative_backoff="fixed",
+              speculative_disable_by_batch_size=1)  # fmt: skip
+    engine, asked = llm.engine, []
+    should_draft = engine.backoff.should_draft
+    engine.backoff.should_draft = lambda n: asked.append(n) or should_draft(n)
+    engine.proposer.propose_batch = lambda rows: [[5, 6] for _ in rows]  # always a draft
+    engine.add_request("a", mixed_prompts[1], params)
+    for _ in range(3):
+        engine.step()
+    drafts = engine.spec.num_draft_tokens
+    assert asked[-1] == 1 and drafts > 0  # alone, it drafts
+    engine.add_request("b", mixed_prompts[0], params)
+    engine.step()
+    assert asked[-1] == 2
+    assert engine.spec.num_draft_tokens == drafts  # nothing verified in the step with "b"

@@ -72,9 +72,6 @@ class LLMEngine:
         self.backoff = backoff_named(
             config.speculative_backoff, config.speculative_disable_by_batch_size
         )
-        # The last drafting decision, for the step that follows it: (running requests, whether
-        # it drafted, the proposer's seconds).
-        self._decision: tuple[int, bool, float] | None = None
         self.model, self.tokenizer = load_model(
             config.model, self.dtype, self.device, config.quantization
         )
@@ -288,6 +285,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step; outputs of the requests that produced a token in it."""
         start, started_at = time.perf_counter(), time.time()
+        drafted = self.proposer is not None and self._draft()
         batch = self.scheduler.schedule()
         failed = [self._fail(seq) for seq in self.scheduler.failed]
         if self.proposer is not None:
@@ -322,8 +320,9 @@ class LLMEngine:
             for seq, toks, lp in zip(result.seqs, result.tokens, result.logprobs, strict=True)
         ]
         outputs += failed
-        if self.proposer is not None:
-            self._speculate(start, decode_only, sum(len(t) for t in result.tokens))
+        if self.proposer is not None and decode_only:
+            self.backoff.observe(len(batch.seqs), drafted, time.perf_counter() - start,
+                                 sum(len(t) for t in result.tokens))  # fmt: skip
         elapsed = time.perf_counter() - start
         self.num_steps += 1
         self.step_seconds += elapsed
@@ -368,18 +367,16 @@ class LLMEngine:
                 self.kv.trim(seq)
         return out
 
-    def _speculate(self, start: float, decode_only: bool, tokens: int) -> None:
-        """Tell the back-off what its last decision cost (a decode step's time and the
-        proposer's before it, for the step's output tokens), then decide for the next step."""
-        if self._decision is not None and decode_only:
-            running, drafted, propose_s = self._decision
-            self.backoff.observe(running, drafted, propose_s + time.perf_counter() - start, tokens)
-        running = len(self.scheduler.running)
-        drafted = self.backoff.should_draft(running)
-        t0 = time.perf_counter()
+    def _draft(self) -> bool:
+        """Ask the back-off whether this step drafts, for as many requests as it will hold (those
+        running and, up to `max_num_seqs`, those waiting: a step that admits a request is as
+        busy as its batch, not as the one before it), and draft if so."""
+        sched = self.scheduler
+        batch = min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs)
+        drafted = self.backoff.should_draft(batch)
         if drafted:
             self._propose()
-        self._decision = (running, drafted, time.perf_counter() - t0)
+        return drafted
 
     def _propose(self) -> None:
         """Drafts for the next step's decode rows."""

@@ -5,7 +5,7 @@ model keeps, so the engine asks a policy, chosen once by name:
 
 - `fixed`: draft while at most `limit` requests run (vLLM's `disable_by_batch_size`);
 - `measured`: below the same ceiling, compare what a step costs per output token with and
-  without drafts, at the batch size the engine runs now, and keep what is cheaper. Both are
+  without drafts, at the batch size of the step to come, and keep what is cheaper. Both are
   measured as the engine goes (a two-armed bandit per batch-size bucket): the arm that loses is
   still tried every `explore_every`-th step, so a change in acceptance or load is noticed.
 """
@@ -21,17 +21,18 @@ class Backoff(ABC):
         self.limit = limit
 
     @abstractmethod
-    def should_draft(self, running: int) -> bool:
-        """Whether the next step's decode rows get drafts, with `running` requests running."""
+    def should_draft(self, batch: int) -> bool:
+        """Whether a step's decode rows get drafts, when it will hold `batch` requests (those
+        running and those about to join)."""
 
-    def observe(self, running: int, drafted: bool, seconds: float, tokens: int) -> None:  # noqa: B027
-        """A decode step ran `seconds` (with the proposer's time before it) for `tokens` output
-        tokens, with `running` requests, after `should_draft` said `drafted`."""
+    def observe(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:  # noqa: B027
+        """A decode step of `batch` requests ran `seconds` (the proposer's time in it) for
+        `tokens` output tokens, after `should_draft` said `drafted`."""
 
 
 class FixedBackoff(Backoff):
-    def should_draft(self, running: int) -> bool:
-        return running <= self.limit
+    def should_draft(self, batch: int) -> bool:
+        return batch <= self.limit
 
 
 @dataclass(slots=True)
@@ -71,14 +72,14 @@ class MeasuredBackoff(Backoff):
         self.buckets: dict[int, _Bucket] = {}
 
     @staticmethod
-    def bucket(running: int) -> int:
+    def bucket(batch: int) -> int:
         # 1, 2–3, 4–7, 8–15, …: a step's cost per row changes little within one
-        return running.bit_length()
+        return batch.bit_length()
 
-    def should_draft(self, running: int) -> bool:
-        if running > self.limit:
+    def should_draft(self, batch: int) -> bool:
+        if batch > self.limit:
             return False
-        b = self.buckets.setdefault(self.bucket(running), _Bucket())
+        b = self.buckets.setdefault(self.bucket(batch), _Bucket())
         b.decisions += 1
         without, with_ = b.arms
         if min(without.samples, with_.samples) < self.WARMUP:
@@ -86,10 +87,10 @@ class MeasuredBackoff(Backoff):
         better = with_.per_token < without.per_token
         return better != (b.decisions % self.explore_every == 0)
 
-    def observe(self, running: int, drafted: bool, seconds: float, tokens: int) -> None:
-        if running > self.limit or tokens <= 0:
+    def observe(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
+        if batch > self.limit or tokens <= 0:
             return
-        b = self.buckets.setdefault(self.bucket(running), _Bucket())
+        b = self.buckets.setdefault(self.bucket(batch), _Bucket())
         b.arms[drafted].record(seconds, tokens)
 
 
