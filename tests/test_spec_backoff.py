@@ -34,14 +34,26 @@ def test_measured_backoff_drafts_where_drafts_pay_and_tries_the_other_choice_now
     # batch 1: 14 ms for 3 tokens against 11 ms for 1; batch 32: 170 ms for 96 against 42 for 32
     assert _run(backoff, 1, 320, accept=0.5) > 0.95
     assert _run(backoff, 32, 320, accept=0.5) < 0.05
-    # both choices are still measured after the start, one step in 32
-    assert backoff.buckets[1].arms[0].samples >= 3 + 8
-    assert backoff.buckets[6].arms[1].samples >= 3 + 8
+    # both choices are still measured after the start: 32 steps on, then 64, 128
+    assert backoff.buckets[1].arms[0].samples >= MeasuredBackoff.WARMUP + 3
+    assert backoff.buckets[6].arms[1].samples >= MeasuredBackoff.WARMUP + 3
     # acceptance falls to nothing: at batch 1 drafting now costs 40 % a token, and it stops
     assert _run(backoff, 1, 320, accept=0.0) < 0.1
     # above the ceiling nobody drafts, and steps there are not counted
     assert _run(backoff, 65, 50, accept=1.0) == 0
     assert 7 not in backoff.buckets
+
+
+def test_measured_backoff_tries_a_losing_choice_ever_less_often_yet_notices_a_change():
+    """Batch 32 with every draft refused: 170 ms for 32 tokens against 42 ms. A try in 32 steps
+    would draft 3 % of them, each costing 4× a step; the tries thin out to one in 256. Once
+    drafts are kept whole (170 ms for 160 tokens), the next try beats the leader, the tries
+    follow at once, and drafting takes the lead within a few of them."""
+    backoff = MeasuredBackoff(limit=64, explore_every=32)
+    assert _run(backoff, 32, 2000, accept=0.0) < 0.01
+    assert backoff.buckets[6].period == MeasuredBackoff.MAX_EXPLORE_EVERY
+    _run(backoff, 32, MeasuredBackoff.MAX_EXPLORE_EVERY + 30, accept=1.0)
+    assert _run(backoff, 32, 200, accept=1.0) > 0.9
 
 
 def test_measured_backoff_weighs_steps_by_their_tokens():

@@ -7,7 +7,10 @@ model keeps, so the engine asks a policy, chosen once by name:
 - `measured`: below the same ceiling, compare what a step costs per output token with and
   without drafts, at the batch size of the step to come, and keep what is cheaper. Both are
   measured as the engine goes (a two-armed bandit per batch-size bucket): the arm that loses is
-  still tried every `explore_every`-th step, so a change in acceptance or load is noticed.
+  still tried, so a change in acceptance or load is noticed; `explore_every` steps after it
+  took the lead, then after twice as long each time it is still behind (up to
+  `MAX_EXPLORE_EVERY`), since at a batch where drafting costs 3× a step, one try in 32 alone
+  is 6 % of the time; and at once again after a try that beat the leader.
 """
 
 from __future__ import annotations
@@ -60,11 +63,14 @@ class _Arm:
 @dataclass(slots=True)
 class _Bucket:
     arms: tuple[_Arm, _Arm] = field(default_factory=lambda: (_Arm(), _Arm()))  # without, with
-    decisions: int = 0
+    leader: bool | None = None  # whether drafting was the cheaper choice at the last decision
+    decisions: int = 0  # since the leader took the lead or the other choice was last tried
+    period: int = 0  # decisions between tries of the other choice
 
 
 class MeasuredBackoff(Backoff):
     WARMUP = 3  # steps each arm is measured before the averages decide
+    MAX_EXPLORE_EVERY = 256
 
     def __init__(self, limit: int, explore_every: int = 32) -> None:
         super().__init__(limit)
@@ -80,18 +86,28 @@ class MeasuredBackoff(Backoff):
         if batch > self.limit:
             return False
         b = self.buckets.setdefault(self.bucket(batch), _Bucket())
-        b.decisions += 1
         without, with_ = b.arms
         if min(without.samples, with_.samples) < self.WARMUP:
             return with_.samples <= without.samples
         better = with_.per_token < without.per_token
-        return better != (b.decisions % self.explore_every == 0)
+        if better != b.leader:
+            b.leader, b.decisions, b.period = better, 0, self.explore_every
+        b.decisions += 1
+        if b.decisions < b.period:
+            return better
+        b.decisions, b.period = 0, min(2 * b.period, self.MAX_EXPLORE_EVERY)
+        return not better
 
     def observe(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
         if batch > self.limit or tokens <= 0:
             return
         b = self.buckets.setdefault(self.bucket(batch), _Bucket())
         b.arms[drafted].record(seconds, tokens)
+        lead = b.leader
+        if lead is not None and drafted != lead and seconds / tokens < b.arms[lead].per_token:
+            # A try that beat the leader: try again at once, so that a change shows within a
+            # few steps (the other choice's decayed average moves a tenth a try), not a few tries.
+            b.decisions, b.period = 0, 1
 
 
 BACKOFFS: dict[str, type[Backoff]] = {"fixed": FixedBackoff, "measured": MeasuredBackoff}
