@@ -148,11 +148,11 @@ class EngineConfig:
         None, Flag("draft tokens with this proposer and verify them in one step", _SPEC, type=str)
     )
     num_speculative_tokens: int = _option(4, Flag("tokens drafted per decode row", _SPEC))
-    # Above this many requests in a step, verifying drafts costs about what it saves on the
-    # default model (docs/benchmarks/speculative.md: at 32 and 64 in flight the measured policy
-    # breaks even at best), so nobody speculates and no step is spent finding out (vLLM's name).
+    # Above this many requests in a step, verifying drafts costs more than it saves: in tutor
+    # turns (prefill beside decode, where the measured policy does not look) from 9 on
+    # (docs/benchmarks/speculative.md), so nobody speculates (vLLM's name).
     speculative_disable_by_batch_size: int = _option(
-        16, Flag("requests in a step above which speculation pauses", _SPEC)
+        8, Flag("requests in a step above which speculation pauses", _SPEC)
     )
     # Below that ceiling, by policy name (spec/backoff.py: "fixed" drafts always, "measured"
     # while steps with drafts cost less per output token than steps without, as measured).
