@@ -133,6 +133,23 @@ def test_reallocation_evicts_lru_block_and_drops_its_hash():
     pool.check_integrity()
 
 
+def test_a_block_freed_without_a_hash_is_taken_before_any_cached_block_is_evicted():
+    """Slots of drafts the model rejected (or a partial last block) hold nothing to hit: an
+    allocation takes them first. Taking them last, each rejected draft that crossed a block
+    boundary would evict a cached prefix block while garbage waited at the tail."""
+    pool = BlockPool(4)
+    cached = pool.allocate(3)
+    for i in cached:
+        pool.register(i, h(i))
+    pool.release(cached)
+    (draft_slots,) = pool.allocate(1)  # the last free block, no hash: evicts nothing
+    assert pool.num_evictions == 0
+    pool.release([draft_slots])
+    assert pool.allocate(1) == [draft_slots]
+    assert pool.num_evictions == 0 and all(pool.lookup(h(i)) == i for i in cached)
+    pool.check_integrity()
+
+
 def test_duplicate_registration_keeps_first_and_evicting_duplicate_keeps_map_entry():
     pool = BlockPool(4)
     a, b = pool.allocate(2)
@@ -339,8 +356,10 @@ def test_free_releases_tail_blocks_first_so_heads_survive_eviction():
     table = list(a.block_table)
     kv.free(a)
     assert a.block_table == [] and a.num_registered_blocks == 0
-    assert list(kv.pool.free)[-4:] == table[::-1]
-    # Take the two never-used blocks plus two more: the tail block (no hash) and block 2 go.
+    # Registered blocks tail first at the free list's end; the partial tail block at its head.
+    free = list(kv.pool.free)
+    assert free[-3:] == table[2::-1] and free[0] == table[3]
+    # Take the tail block (no hash), the two never-used blocks and block 2: one eviction.
     filler = make_seq(list(range(200, 216)))
     assert kv.allocate(filler, 16)
     assert kv.pool.num_evictions == 1

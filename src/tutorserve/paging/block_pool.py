@@ -2,7 +2,8 @@
 
 A block whose reference count drops to zero goes to the tail of the free list but keeps its hash,
 so a later request with the same prefix can take it back (an O(1) removal from the ordered dict).
-New allocations pop from the head, evicting the least recently freed cached block first.
+New allocations pop from the head, evicting the least recently freed cached block first; a block
+freed without a hash goes to the head, since taking it evicts nothing.
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ class BlockPool:
             block.ref_count += 1
 
     def release(self, block_ids: list[int]) -> None:
-        """Drop references; pass tail blocks first so they are evicted before shared heads."""
+        """Drop references; pass tail blocks first so they are evicted before shared heads. A
+        block without a hash (a partial last block, slots of rejected drafts) holds nothing a
+        later request can hit: it goes to the head of the free list, to be taken before any
+        cached block is evicted."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -91,7 +95,10 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} released more often than taken")
             if block.ref_count == 0:
                 self.free[block_id] = None
-                self.num_cached_free += block.block_hash is not None
+                if block.block_hash is None:
+                    self.free.move_to_end(block_id, last=False)
+                else:
+                    self.num_cached_free += 1
 
     def register(self, block_id: int, block_hash: bytes) -> None:
         """Publish a full, computed block under its chained hash."""
