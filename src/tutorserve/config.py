@@ -148,9 +148,9 @@ class EngineConfig:
         None, Flag("draft tokens with this proposer and verify them in one step", _SPEC, type=str)
     )
     num_speculative_tokens: int = _option(4, Flag("tokens drafted per decode row", _SPEC))
-    # Above this many requests in a step, verifying drafts costs more than it saves: in tutor
-    # turns (prefill beside decode, where the measured policy does not look) from 9 on
-    # (docs/benchmarks/speculative.md), so nobody speculates (vLLM's name).
+    # Above this many requests in a step, verifying drafts costs more than it saves, so nobody
+    # speculates (vLLM's name). The measured policy times decode-only steps alone: at 16, tutor
+    # turns (prefill beside decode) were 1.7x slower (docs/benchmarks/speculative.md).
     speculative_disable_by_batch_size: int = _option(
         8, Flag("requests in a step above which speculation pauses", _SPEC)
     )
