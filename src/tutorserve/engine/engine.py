@@ -300,7 +300,8 @@ class LLMEngine:
             return []
         used_blocks, running = self.kv.num_used_blocks, len(self.scheduler.running)
         shape = batch.shape() if self.step_log is not None else None
-        decode_only = all(
+        # The back-off learns from decode-only steps: a prefill's cost is not the drafts'.
+        timed_for_backoff = self.proposer is not None and all(
             n == 1 + len(seq.spec_token_ids)
             for seq, n in zip(batch.seqs, batch.num_tokens, strict=True)
         )
@@ -320,7 +321,7 @@ class LLMEngine:
             for seq, toks, lp in zip(result.seqs, result.tokens, result.logprobs, strict=True)
         ]
         outputs += failed
-        if self.proposer is not None and decode_only:
+        if timed_for_backoff:
             self.backoff.observe(len(batch.seqs), drafted, time.perf_counter() - start,
                                  sum(len(t) for t in result.tokens))  # fmt: skip
         elapsed = time.perf_counter() - start
