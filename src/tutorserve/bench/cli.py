@@ -126,8 +126,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--students", type=int, default=4, help="concurrent students per course")
     p.add_argument("--problems", type=int, default=3, help="problems each student works through")
     add_engine_args(p, only=("quantization", "speculative", "num_speculative_tokens",
-                             "speculative_disable_by_batch_size", "speculative_backoff"),
+                             "speculative_disable_by_batch_size", "speculative_backoff",
+                             "batch_invariant"),
                     choices={"speculative": SpeculativeChoices()})  # fmt: skip
+    p.add_argument(
+        "--greedy",
+        action="store_true",
+        help="every agent decodes greedily, so runs of different engine options "
+        "compute the same replies (the same tokens with --batch-invariant)",
+    )
     p.add_argument("--out", default="bench-results/tutor")
     p.set_defaults(func=cmd_tutor)
 
@@ -549,13 +556,16 @@ def cmd_tutor(a: argparse.Namespace) -> int:
     if a.students < 1 or a.problems < 1:
         raise ValueError("--students and --problems must be at least 1")
     options = engine_options(a) | {"dtype": a.dtype}
-    samples, cache = run_tutor_bench(a.model, a.students, a.problems, options)
+    samples, cache = run_tutor_bench(a.model, a.students, a.problems, options, a.greedy)
     _save(a.out, "tutor", as_json(samples, cache), lambda png: plot(samples, png))
     print(summary_table(samples))
     print()
     print(step_table(samples))
     hit = cache["prefix_hit_tokens"] / max(1, cache["prompt_tokens"])
-    print(f"\nprefix cache: {hit:.1%} of {cache['prompt_tokens']} prompt tokens served from cache")
+    computed = cache["prompt_tokens"] - cache["prefix_hit_tokens"]
+    print(f"\nprefix cache: {hit:.1%} of {cache['prompt_tokens']} prompt tokens served from cache; "
+          f"{computed} computed; {cache['kv_evictions']} cached blocks evicted")  # fmt: skip
+    print(f"model calls: {cache['model_calls']}, mean TPOT {cache['mean_tpot_ms']:.1f} ms")
     if drafted := cache["spec_draft_tokens"]:
         kept = cache["spec_accepted_tokens"]
         print(f"speculative decoding: {kept} of {drafted} drafted tokens accepted "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,10 @@ from tqdm import tqdm
 from tutorserve.config import EngineConfig
 from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.engine.engine import LLMEngine
+from tutorserve.engine.outputs import RequestOutput
 from tutorserve.tutor.agents import CRITICAL_STEPS
 from tutorserve.tutor.courses import Course, Problem, load_courses
-from tutorserve.tutor.llm_client import EngineLLM
+from tutorserve.tutor.llm_client import ChatLLM, EngineLLM, Messages
 from tutorserve.tutor.service import TutorService
 from tutorserve.tutor.store import TutorStore
 
@@ -81,16 +83,34 @@ async def _student(
     return out
 
 
+class _Greedy:
+    """A chat model whose every call decodes greedily, whatever temperature the agent asks."""
+
+    def __init__(self, llm: ChatLLM) -> None:
+        self.llm, self.name = llm, llm.name
+
+    def stream(self, messages: Messages, **kwargs: Any) -> AsyncIterator[str]:
+        return self.llm.stream(messages, **(kwargs | {"temperature": 0.0}))
+
+
 async def _run(
-    model: str, students: int, problems: int, options: dict[str, Any]
-) -> tuple[list[TurnSample], dict[str, int]]:
+    model: str, students: int, problems: int, options: dict[str, Any], greedy: bool
+) -> tuple[list[TurnSample], dict[str, float]]:
     config = EngineConfig.from_kwargs(model=model, **options)
     server = AsyncEngine(lambda: LLMEngine(config))
+    tpots: list[float] = []
+
+    def finished(out: RequestOutput) -> None:
+        if (tpot := out.metrics.tpot) is not None:
+            tpots.append(tpot)
+
+    server.on_finished = finished
     await server.start()
     courses = load_courses()
+    llm: ChatLLM = EngineLLM(server, model)
     with tempfile.TemporaryDirectory() as d:
         store = TutorStore(f"sqlite:///{d}/bench.db")
-        service = TutorService(courses, store, EngineLLM(server, model))
+        service = TutorService(courses, store, _Greedy(llm) if greedy else llm)
         total = len(courses) * students * problems * 3
         try:
             with tqdm(total=total, desc="tutor turns", unit="turn") as bar:
@@ -108,16 +128,24 @@ async def _run(
     counts = {
         "prompt_tokens": kv.prefix_query_tokens,
         "prefix_hit_tokens": kv.prefix_hit_tokens,
+        # Cached blocks taken for other use: 0 means every prompt token computed was new to
+        # the cache (not a prefix it had held and lost).
+        "kv_evictions": kv.pool.num_evictions,
         "spec_draft_tokens": spec.num_draft_tokens,
         "spec_accepted_tokens": spec.num_accepted_tokens,
+        # Every model call's time per output token after its first (vLLM's mean TPOT).
+        "model_calls": len(tpots),
+        "mean_tpot_ms": 1000 * statistics.fmean(tpots) if tpots else 0.0,
     }
     return [s for run in runs for s in run], counts
 
 
 def run_tutor_bench(
-    model: str, students: int, problems: int, options: dict[str, Any]
-) -> tuple[list[TurnSample], dict[str, int]]:
-    return asyncio.run(_run(model, students, problems, options))
+    model: str, students: int, problems: int, options: dict[str, Any], greedy: bool = False
+) -> tuple[list[TurnSample], dict[str, float]]:
+    """`greedy`: every agent decodes greedily, so that runs of different engine options compute
+    the same replies and differ only in how fast."""
+    return asyncio.run(_run(model, students, problems, options, greedy))
 
 
 def summary_table(samples: list[TurnSample]) -> str:
@@ -176,5 +204,5 @@ def plot(samples: list[TurnSample], path: Path) -> None:
     plt.close(fig)
 
 
-def as_json(samples: list[TurnSample], cache: dict[str, int]) -> dict[str, Any]:
+def as_json(samples: list[TurnSample], cache: dict[str, float]) -> dict[str, Any]:
     return {"turns": [asdict(s) for s in samples], "counters": cache}

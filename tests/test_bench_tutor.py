@@ -1,0 +1,41 @@
+"""`tutorserve bench tutor`: its greedy mode and the counters it reports."""
+
+import asyncio
+
+from tutorserve.bench.tutor_turns import _Greedy, run_tutor_bench
+
+
+class _Recorder:
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    async def stream(self, messages, **kwargs):
+        self.calls.append(kwargs)
+        yield "ok"
+
+
+def test_greedy_asks_every_call_for_temperature_zero():
+    inner = _Recorder()
+    llm = _Greedy(inner)
+
+    async def call():
+        return [t async for t in llm.stream([], max_tokens=7, temperature=0.3, session_id="s")]
+
+    assert asyncio.run(call()) == ["ok"] and llm.name == "fake"
+    assert inner.calls == [{"max_tokens": 7, "temperature": 0.0, "session_id": "s"}]
+
+
+def test_greedy_runs_with_and_without_drafts_compute_the_same_turns(synth_llama_long):
+    runs = [
+        run_tutor_bench(synth_llama_long, 1, 1, {"dtype": "float32", "speculative": spec}, True)
+        for spec in (None, "suffix")
+    ]
+    (plain, plain_counts), (drafted, drafted_counts) = runs
+    assert [s.reply for s in plain] == [s.reply for s in drafted]
+    for key in ("prompt_tokens", "prefix_hit_tokens", "model_calls"):
+        assert plain_counts[key] == drafted_counts[key]
+    assert plain_counts["model_calls"] >= len(plain) and plain_counts["mean_tpot_ms"] > 0
+    assert plain_counts["kv_evictions"] == 0  # the default pool holds this whole run
+    assert drafted_counts["spec_accepted_tokens"] > 0 == plain_counts["spec_draft_tokens"]
