@@ -39,3 +39,8 @@ def test_greedy_runs_with_and_without_drafts_compute_the_same_turns(synth_llama_
     assert plain_counts["model_calls"] >= len(plain) and plain_counts["mean_tpot_ms"] > 0
     assert plain_counts["kv_evictions"] == 0  # the default pool holds this whole run
     assert drafted_counts["spec_accepted_tokens"] > 0 == plain_counts["spec_draft_tokens"]
+    # Steps by kind: only the run with drafts verifies any; both compute prompts and decode.
+    assert plain_counts["verify_steps"] == 0 < drafted_counts["verify_steps"]
+    for counts in (plain_counts, drafted_counts):
+        assert counts["prefill_steps"] > 0 and counts["decode_steps"] > 0
+        assert counts["prefill_seconds"] > 0

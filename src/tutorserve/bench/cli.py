@@ -566,6 +566,10 @@ def cmd_tutor(a: argparse.Namespace) -> int:
     print(f"\nprefix cache: {hit:.1%} of {cache['prompt_tokens']} prompt tokens served from cache; "
           f"{computed} computed; {cache['kv_evictions']} cached blocks evicted")  # fmt: skip
     print(f"model calls: {cache['model_calls']}, mean TPOT {cache['mean_tpot_ms']:.1f} ms")
+    print("engine steps: " + ", ".join(
+        f"{cache[k + '_steps']} {k} ({cache[k + '_seconds']:.1f} s)"
+        for k in ("prefill", "verify", "decode")
+    ))  # fmt: skip
     if drafted := cache["spec_draft_tokens"]:
         kept = cache["spec_accepted_tokens"]
         print(f"speculative decoding: {kept} of {drafted} drafted tokens accepted "

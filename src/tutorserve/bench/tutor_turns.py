@@ -24,6 +24,7 @@ from tutorserve.config import EngineConfig
 from tutorserve.engine.async_engine import AsyncEngine
 from tutorserve.engine.engine import LLMEngine
 from tutorserve.engine.outputs import RequestOutput
+from tutorserve.engine.step_log import StepRecord
 from tutorserve.tutor.agents import CRITICAL_STEPS
 from tutorserve.tutor.courses import Course, Problem, load_courses
 from tutorserve.tutor.llm_client import ChatLLM, EngineLLM, Messages
@@ -106,6 +107,8 @@ async def _run(
 
     server.on_finished = finished
     await server.start()
+    steps: list[StepRecord] = []
+    server.engine.step_log = steps  # before any request: the engine thread reads it per step
     courses = load_courses()
     llm: ChatLLM = EngineLLM(server, model)
     with tempfile.TemporaryDirectory() as d:
@@ -137,7 +140,19 @@ async def _run(
         "model_calls": len(tpots),
         "mean_tpot_ms": 1000 * statistics.fmean(tpots) if tpots else 0.0,
     }
+    for kind, group in _step_kinds(steps).items():
+        counts[f"{kind}_steps"] = len(group)
+        counts[f"{kind}_seconds"] = sum(r.step_s for r in group)
     return [s for run in runs for s in run], counts
+
+
+def _step_kinds(steps: list[StepRecord]) -> dict[str, list[StepRecord]]:
+    """The engine's steps by what they computed: some prompt ("prefill", decode rows beside it
+    or not), decode rows with drafts to verify, decode rows alone."""
+    kinds: dict[str, list[StepRecord]] = {"prefill": [], "verify": [], "decode": []}
+    for r in steps:
+        kinds["prefill" if r.prefills else "verify" if r.num_draft_tokens else "decode"].append(r)
+    return kinds
 
 
 def run_tutor_bench(

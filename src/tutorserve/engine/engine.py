@@ -299,7 +299,9 @@ class LLMEngine:
                 self.store.wait_for_reads(timeout=0.01)
             return []
         used_blocks, running = self.kv.num_used_blocks, len(self.scheduler.running)
-        shape = batch.shape() if self.step_log is not None else None
+        shape, num_drafts = None, 0
+        if self.step_log is not None:
+            shape, num_drafts = batch.shape(), sum(len(s.spec_token_ids) for s in batch.seqs)
         # The back-off learns from decode-only steps: a prefill's cost is not the drafts'.
         timed_for_backoff = self.proposer is not None and all(
             n == 1 + len(seq.spec_token_ids)
@@ -340,6 +342,7 @@ class LLMEngine:
                     shape=shape,
                     gap_s=None if self._busy_end is None else start - self._busy_end,
                     started_at=started_at,
+                    num_draft_tokens=num_drafts,
                 )
             )
             self._busy_end = time.perf_counter() if self.has_unfinished() else None

@@ -42,6 +42,13 @@ class StepRecord:
     gap_s: float | None = None
     # Wall-clock start (time.time()): lines up the steps of engines in other processes.
     started_at: float | None = None
+    # Drafted tokens the step verified (counted in num_tokens): a step whose tokens exceed its
+    # rows plus these computes a prompt.
+    num_draft_tokens: int = 0
+
+    @property
+    def prefills(self) -> bool:
+        return self.num_tokens > self.num_seqs + self.num_draft_tokens
 
 
 class LoggedStep(NamedTuple):
