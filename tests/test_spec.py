@@ -4,6 +4,7 @@ leave no KV behind (no leaked block, nothing wrong in the prefix cache); and ver
 the sampling distribution."""
 
 import gc
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -17,6 +18,7 @@ from tutorserve.engine.sequence import Sequence
 from tutorserve.layers.attention.gather import GatherBackend
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
+from tutorserve.sampling_params import StructuredOutputs
 from tutorserve.spec import NgramProposer, SuffixProposer, proposer_named, scope_key
 from tutorserve.spec import suffix as suffix_module
 
@@ -276,6 +278,32 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation(synth_llama, mix
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     spec = llm.engine.stats().spec
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["suffix", "ngram"])
+def test_structured_rows_draft_within_their_grammar(synth_llama, method):
+    """A JSON reply drafted from an earlier one (suffix) or from its prompt (ngram, whose drafts
+    the grammar mostly refuses: they are cut where it does) gives plain decoding's tokens."""
+    schema = {"type": "object", "properties": {"mistake": {"enum": ["sign", "order"]},
+              "note": {"type": "string", "maxLength": 12}}, "required": ["mistake", "note"],
+              "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(
+        temperature=0, max_tokens=60, structured=StructuredOutputs(json=json.dumps(schema))
+    )
+    reference = LLM(synth_llama, dtype="float32")
+    # The prompt's JSON breaks the schema: after `"note"`, ngram drafts `":5}` (not a string).
+    text = reference.engine.tokenizer.encode('{"mistake":"order","note":5} ')
+    prompts = [text, text, [*text, 12]]
+    plain = reference.generate(prompts, params)
+    llm = LLM(synth_llama, dtype="float32", **{**SPEC, "speculative": method})
+    outs = [llm.generate([p], params)[0] for p in prompts]  # one after another: one drafts the next
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert all(json.loads(o.text)["mistake"] in ("sign", "order") for o in outs)
+    spec = llm.engine.stats().spec
+    assert spec.num_draft_tokens > 0
+    if method == "suffix":
+        assert spec.num_accepted_tokens > len(plain[0].token_ids) // 2  # the second reply
+    _no_leaks(llm)
 
 
 def test_scopes_follow_the_name_else_the_prompt_start_and_never_cross_adapters():

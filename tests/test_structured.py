@@ -186,3 +186,24 @@ def test_the_tutor_diagnosis_always_comes_in_its_form(synth_llama):
     for text in asyncio.run(run()):
         found = parse(text)
         assert found is not None and found[0] in ERROR_LABELS, text
+
+
+def test_a_draft_bitmask_row_is_the_mask_after_the_drafts_before_it(llm):
+    """What a row verifying drafts masks its logits with: row j is what the grammar allows
+    once the first j drafts are taken; the matcher ends where it began."""
+    spec = StructuredOutputs(json='{"type": "object", "properties": {"n": {"type": "integer"}}}')
+    vocab = llm.engine.model.config.vocab_size
+    text = llm.engine.tokenizer.encode('{"n":12}')  # compact: no free whitespace
+    matcher = llm.engine.grammars.matcher(spec)
+    assert matcher.valid_prefix(text) == len(text)
+    assert matcher.valid_prefix([*text[:2], 0, *text[2:]]) == 2  # token 0 breaks the JSON
+    masks = matcher.draft_bitmask(text, vocab)
+    assert torch.equal(grammar.fill_bitmask([matcher], vocab)[0], masks[0])
+    for j in range(1, len(text) + 1):
+        step = llm.engine.grammars.matcher(spec)
+        assert all(step.accept(t) for t in text[:j])
+        assert torch.equal(grammar.fill_bitmask([step], vocab)[0], masks[j])
+    assert not torch.equal(masks[0], masks[1])
+    with pytest.raises(ValueError, match="not allowed"):
+        matcher.draft_bitmask([text[0], 0], vocab)
+    assert torch.equal(grammar.fill_bitmask([matcher], vocab)[0], masks[0])

@@ -130,8 +130,9 @@ class SamplingParams:
     @property
     def draftable(self) -> bool:
         """Whether speculative drafts may serve this request: verification samples rows of
-        plain logits, reports no log-probabilities and keeps no grammar state."""
-        return not self.processes_logits and self.logprobs is None and self.structured is None
+        logits that only a grammar may mask (`constrain_drafts`), and reports no
+        log-probabilities."""
+        return not self.processes_logits and self.logprobs is None
 
     @property
     def greedy(self) -> bool:

@@ -400,6 +400,8 @@ class LLMEngine:
                 seqs.append(seq)
         if rows:
             for seq, drafts in zip(seqs, self.proposer.propose_batch(rows), strict=True):
+                if seq.matcher is not None:  # drafts the grammar refuses could never be kept
+                    drafts = drafts[: seq.matcher.valid_prefix(drafts)]
                 seq.spec_token_ids = drafts
 
     def _append(self, seq: Sequence, tokens: list[int], now: float) -> RequestOutput:

@@ -32,6 +32,17 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[in
     return logits
 
 
+def constrain_drafts(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The logit rows [1 + drafts, vocab] of a row verifying drafts, each masked to what the
+    request's grammar allows after the drafts before it (a copy where it has a grammar)."""
+    if seq.matcher is None:
+        return logits
+    logits = logits.clone()
+    bitmask = seq.matcher.draft_bitmask(seq.spec_token_ids, logits.shape[-1])
+    apply_bitmask(logits, bitmask, list(range(len(logits))))
+    return logits
+
+
 def _process_row(row: torch.Tensor, seq: Sequence, stop_ids: list[int]) -> None:
     p = seq.params
     if p.logit_bias:

@@ -10,7 +10,12 @@ import numpy as np
 import torch
 
 from tutorserve.config import EngineConfig
-from tutorserve.engine.logits_process import logprobs_of, process_logits, token_logprobs
+from tutorserve.engine.logits_process import (
+    constrain_drafts,
+    logprobs_of,
+    process_logits,
+    token_logprobs,
+)
 from tutorserve.engine.outputs import TokenLogprob
 from tutorserve.engine.sampler import sample, verify
 from tutorserve.engine.scheduler import SchedulerOutput
@@ -110,7 +115,8 @@ class ModelRunner:
         if drafted:
             for i, seq in enumerate(samplers):
                 if seq.spec_token_ids:
-                    result.tokens[i] = verify(logits[rows[i] : rows[i + 1]], seq, self.generator)
+                    row = constrain_drafts(logits[rows[i] : rows[i + 1]], seq)
+                    result.tokens[i] = verify(row, seq, self.generator)
         return result
 
     def _prompt_logprobs(

@@ -42,6 +42,24 @@ class Matcher:
         """Nothing but the end of the output can follow."""
         return self._m.is_stopped()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows from here (it stays here)."""
+        return self._m.validate_tokens(tokens)
+
+    def draft_bitmask(self, drafts: list[int], vocab_size: int) -> torch.Tensor:
+        """Row j: the tokens allowed after the first j of `drafts` (a row verifying them has a
+        logit row at each); the drafts must be a `valid_prefix`. The matcher ends where it began."""
+        # Checked first: a refused token would leave the matcher in its error state.
+        if (n := self.valid_prefix(drafts)) < len(drafts):
+            raise ValueError(f"draft {n} ({drafts[n]}) is not allowed by the grammar")
+        bitmask = _empty_bitmask(len(drafts) + 1, vocab_size)
+        for j in range(len(drafts) + 1):
+            self._m.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), bitmask.shape[1] * 4)
+            if j < len(drafts):
+                self._m.consume_token(drafts[j])
+        self._m.rollback(len(drafts))
+        return bitmask
+
 
 class GrammarCompiler:
     """Compiles structured-output requests for one tokenizer; safe to call from any thread
@@ -107,12 +125,15 @@ def _grammar(spec: StructuredOutputs) -> str:
     return llg.grammar_from("grammar", spec.grammar)
 
 
+def _empty_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return torch.empty((rows, (vocab_size + 31) // 32), dtype=torch.int32)
+
+
 def fill_bitmask(matchers: list[Matcher], vocab_size: int) -> torch.Tensor:
     """Row i: the tokens matcher i allows next, one bit each (bit j of word w: token 32w + j)."""
-    words = (vocab_size + 31) // 32
-    bitmask = torch.empty((len(matchers), words), dtype=torch.int32)
+    bitmask = _empty_bitmask(len(matchers), vocab_size)
     for i, m in enumerate(matchers):
-        m._m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
+        m._m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), bitmask.shape[1] * 4)
     return bitmask
 
 
