@@ -149,8 +149,8 @@ class EngineConfig:
     )
     num_speculative_tokens: int = _option(4, Flag("tokens drafted per decode row", _SPEC))
     # Above this many requests in a step, verifying drafts costs more than it saves, so nobody
-    # speculates (vLLM's name). The measured policy times decode-only steps alone: at 16, tutor
-    # turns (prefill beside decode) were 1.7x slower (docs/benchmarks/speculative.md).
+    # speculates (vLLM's name). The measured policy times decode-only steps alone; 16 gained
+    # nothing on tutor turns (docs/benchmarks/speculative.md).
     speculative_disable_by_batch_size: int = _option(
         8, Flag("requests in a step above which speculation pauses", _SPEC)
     )
