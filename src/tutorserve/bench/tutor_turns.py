@@ -182,13 +182,18 @@ def summary_table(samples: list[TurnSample]) -> str:
     return "\n".join(rows)
 
 
+def median_p90(values: list[float]) -> tuple[float, float]:
+    values = sorted(values)
+    return statistics.median(values), values[min(len(values) - 1, int(0.9 * len(values)))]
+
+
 def step_table(samples: list[TurnSample]) -> str:
     rows = ["| step | median ms | p90 ms |", "|---|---|---|"]
     for step in (*CRITICAL_STEPS, "engage"):
-        values = sorted(s.steps_ms[step] for s in samples if step in s.steps_ms)
+        values = [s.steps_ms[step] for s in samples if step in s.steps_ms]
         if values:
-            p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
-            rows.append(f"| {step} | {statistics.median(values):.0f} | {p90:.0f} |")
+            median, p90 = median_p90(values)
+            rows.append(f"| {step} | {median:.0f} | {p90:.0f} |")
     return "\n".join(rows)
 
 
