@@ -50,20 +50,22 @@ def test_ngram_proposer_drafts_what_followed_the_latest_match():
 def test_suffix_proposer_drafts_one_students_reply_from_anothers():
     suffix = SuffixProposer(min_n=2, max_n=4)
     course, other = b"algebra", b"english"
-    prompt_a, reply_a = [7, 7, 50, 51], [10, 11, 12, 13, 14, 15]
-    suffix.observe("a", course, prompt_a + reply_a[:3], 4)  # indexed as it streams
-    suffix.observe("a", course, prompt_a + reply_a, 4)
-    prompt_b = [8, 8, 50, 51]  # another student: same prompt ending (the chat template's)
-    # At the reply's start, the prompt's end matches; the draft length starts at 4.
-    assert suffix.propose("b", course, prompt_b, 8) == reply_a[:4]
-    assert suffix.propose("b", course, [*prompt_b, 10, 11], 3) == [12, 13, 14]
-    assert suffix.propose("b", other, prompt_b, 4) == []  # another course: nothing to draft
-    # Its own text still drafts when the scope has nothing (prompt lookup).
-    assert suffix.propose("b", other, [1, 2, 3, 1, 2], 4) == [3, 1, 2]
+    prompt_a, reply_a = [7] * 12 + [50, 51], list(range(10, 40))
+    suffix.observe("a", course, prompt_a + reply_a[:3], len(prompt_a))  # indexed as it streams
+    suffix.observe("a", course, prompt_a + reply_a, len(prompt_a))
+    # Another student with the same history: the texts agree over 14 tokens, so 3 are drafted
+    # (a quarter), and as the reply goes on and they agree over more, more are.
+    assert suffix.propose("b", course, prompt_a, 16) == reply_a[:3]
+    assert suffix.propose("b", course, prompt_a + reply_a[:10], 16) == reply_a[10:16]
+    assert suffix.propose("b", course, prompt_a + reply_a[:10], 4) == reply_a[10:14]  # k caps it
+    assert suffix.propose("b", course, prompt_a + reply_a[:20], 16) == reply_a[20:28]
+    # A student whose prompt only ends alike (the chat template's end): one token.
+    assert suffix.propose("c", course, [8, 8, 50, 51], 16) == reply_a[:1]
+    assert suffix.propose("b", other, prompt_a, 4) == []  # another course: nothing to draft
+    # Its own text still drafts when the scope has nothing (prompt lookup), half the n-gram.
+    assert suffix.propose("b", other, [1, 2, 3, 1, 2], 4) == [3]
+    assert suffix.propose("b", other, [1, 2, 3, 4, 5, 6, 1, 2, 3, 4], 4) == [5, 6]
     assert suffix.propose("a", course, prompt_a, 4) == []  # never its own output
-    for _ in range(20):
-        suffix.feedback("b", course, 4, 0)  # nothing accepted: drafts shrink to two tokens
-    assert suffix.propose("b", course, prompt_b, 8) == reply_a[:2]
 
 
 def test_suffix_proposer_stays_within_its_token_budget():
@@ -98,20 +100,21 @@ def plain(synth_llama, mixed_prompts):
 
 
 @pytest.mark.parametrize(
-    ("method", "caching", "backend"),
+    ("method", "caching", "backend", "drafts"),
     [
-        ("ngram", True, "cpu-kernel"),
-        ("ngram", False, "cpu-kernel"),
-        ("ngram", True, "gather"),
-        ("suffix", True, "cpu-kernel"),
-        ("suffix", False, "gather"),
+        ("ngram", True, "cpu-kernel", 4),
+        ("ngram", False, "cpu-kernel", 4),
+        ("ngram", True, "gather", 4),
+        ("suffix", True, "cpu-kernel", None),  # the proposer's own: up to 16 a row
+        ("suffix", False, "gather", 4),
     ],
 )
 def test_greedy_output_is_identical_with_speculation(
-    synth_llama, mixed_prompts, plain, method, caching, backend
+    synth_llama, mixed_prompts, plain, method, caching, backend, drafts
 ):
     llm = LLM(synth_llama, dtype="float32", enable_prefix_caching=caching,
-              **{**SPEC, "speculative": method})  # fmt: skip
+              **{**SPEC, "speculative": method, "num_speculative_tokens": drafts})  # fmt: skip
+    assert llm.engine.max_drafts == (drafts or 16)
     if backend == "gather":
         llm.engine.runner.backend = GatherBackend()
     outs = llm.generate(mixed_prompts, GREEDY)

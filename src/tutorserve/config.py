@@ -147,7 +147,11 @@ class EngineConfig:
     speculative: str | None = _option(
         None, Flag("draft tokens with this proposer and verify them in one step", _SPEC, type=str)
     )
-    num_speculative_tokens: int = _option(4, Flag("tokens drafted per decode row", _SPEC))
+    # The most drafts a row gets; None: the proposer's own (16 for suffix, whose drafts are as
+    # long as its match makes likely to be kept; 4 for the others).
+    num_speculative_tokens: int | None = _option(
+        None, Flag("most tokens drafted per decode row (default: the proposer's)", _SPEC, type=int)
+    )
     # Above this many requests in a step, verifying drafts costs more than it saves, so nobody
     # speculates (vLLM's name). The measured policy times decode-only steps alone; 16 gained
     # nothing on tutor turns (docs/benchmarks/speculative.md).
@@ -196,7 +200,7 @@ class EngineConfig:
             raise ValueError("session_ttl must be positive")
         if self.max_bypass < 0:
             raise ValueError("max_bypass must be >= 0")
-        if self.num_speculative_tokens < 1 or self.speculative_disable_by_batch_size < 1:
+        if (self.num_speculative_tokens or 1) < 1 or self.speculative_disable_by_batch_size < 1:
             raise ValueError(
                 "num_speculative_tokens and speculative_disable_by_batch_size must be >= 1"
             )

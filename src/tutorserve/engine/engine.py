@@ -107,6 +107,8 @@ class LLMEngine:
                 draft, self.tokenizer, self.model.config.vocab_size, self.max_model_len,
                 num_blocks, bs, self.dtype, self.kv_dtype, self.device,
             )  # fmt: skip
+        if self.proposer is not None:
+            self.max_drafts = config.num_speculative_tokens or self.proposer.max_drafts
         self.spec = SpecCounters()
         self.seqs: dict[str, Sequence] = {}
         self._streams: dict[str, _Stream] = {}
@@ -384,14 +386,14 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Drafts for the next step's decode rows."""
-        cfg, running = self.config, self.scheduler.running
+        running = self.scheduler.running
         rows, seqs = [], []
         for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.params.draftable:
                 continue  # still prefilling, or its logits are processed row by row
             # Drafts and the token after them must fit max_tokens and the context.
             room = min(
-                cfg.num_speculative_tokens,
+                self.max_drafts,
                 seq.params.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )

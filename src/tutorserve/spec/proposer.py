@@ -41,6 +41,8 @@ class Proposer(ABC):
     """Each request comes with a scope: requests of one scope (by default, those whose prompts
     start alike: one course's students) may draft from each other's outputs."""
 
+    max_drafts = 4  # drafts a row may get, where the engine's num_speculative_tokens is unset
+
     @abstractmethod
     def propose(self, request: str, scope: bytes, tokens: list[int], k: int) -> list[int]:
         """Up to `k` tokens likely to follow `tokens` (the request's prompt and output so far);

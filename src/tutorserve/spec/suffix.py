@@ -2,9 +2,13 @@
 the tutor's hints for them repeat, so one student's reply drafts the next student's. Like suffix
 decoding (Oliaro et al. 2024) it drafts from earlier outputs by matching the request's latest
 tokens, here through an index of their n-grams (the longest n tried first), kept per scope and
-bounded in tokens; and like it, the draft length follows how much of a scope's drafts the model
-has been accepting. The request's own tokens are searched too (prompt lookup), when its scope
-offers nothing.
+bounded in tokens; and like it, a draft is as long as the match makes it likely to be kept: a
+quarter of the tokens by which the request's latest ones agree with the earlier text (compared
+back up to `MAX_MATCH`). Measured on a class's tutor replies, drafts after a match of 40 tokens
+or more were kept 99 % of the time, after one of under 8 a quarter of it; a step verifying k
+drafts on the default model's blocks costs about 1 + k/4 plain steps (docs/benchmarks/
+speculative.md). The request's own tokens are searched too (prompt lookup), when its scope
+offers nothing, with drafts half as long as the n-gram matched.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from dataclasses import dataclass
 from itertools import count
 
 from tutorserve.spec.ngram import latest_match
-from tutorserve.spec.proposer import AcceptanceAverage, Proposer
+from tutorserve.spec.proposer import Proposer
 
 _ENTRIES = 16  # occurrences remembered per n-gram (the latest)
 _END_BITS = 32  # an occurrence is (text id << _END_BITS) | end position
 _BYTES = 8  # an occurrence's size in the index (native byte order, as `array` reads it)
+MAX_MATCH = 64  # tokens compared back from a match; a draft is at most a quarter of them
 
 
 @dataclass(slots=True)
@@ -43,6 +48,15 @@ def _occurrences(packed: bytes) -> array:
     return array("q", packed)
 
 
+def _agreement(tokens: list[int], other: list[int], end: int) -> int:
+    """How many tokens before the ends of `tokens` and of `other[:end]` are the same, up to
+    MAX_MATCH (the index only knows that the last n-gram is, up to a hash collision)."""
+    n = 0
+    while n < MAX_MATCH and n < len(tokens) and n < end and tokens[-1 - n] == other[end - 1 - n]:
+        n += 1
+    return n
+
+
 class _Scope:
     """The texts of one scope's requests, oldest first, and where each of their n-grams
     occurred. The index holds no object the garbage collector tracks (int keys: the n-gram's
@@ -56,7 +70,6 @@ class _Scope:
         self.by_ident: dict[int, _Text] = {}
         self.index: dict[int, bytes] = {}
         self.num_tokens = 0
-        self.accepted = AcceptanceAverage()
         self._idents = count()
 
     def _grams(self, text: _Text, lo: int, hi: int, ns: range) -> Iterator[tuple[int, int]]:
@@ -81,14 +94,16 @@ class _Scope:
             self.index[gram] = kept + (tag | end).to_bytes(_BYTES, sys.byteorder)
         text.indexed = len(tokens)
 
-    def continuation(self, request: str, gram: tuple[int, ...], k: int) -> list[int]:
-        """What followed `gram` most recently in another request's text."""
+    def continuation(self, request: str, tokens: list[int], n: int, k: int) -> list[int]:
+        """What followed the request's last `n` tokens most recently in another request's text,
+        up to `k` tokens and a quarter of how far back the two texts agree."""
         mine = self.texts.get(request)
-        for entry in reversed(_occurrences(self.index.get(hash(gram), b""))):
+        for entry in reversed(_occurrences(self.index.get(hash(tuple(tokens[-n:])), b""))):
             text = self.by_ident.get(entry >> _END_BITS)
             end = entry & ((1 << _END_BITS) - 1)
             if text is not None and text is not mine and end < len(text.tokens):
-                return text.tokens[end : end + k]
+                agree = _agreement(tokens, text.tokens, end)
+                return text.tokens[end : end + min(k, max(1, agree // 4))]
         return []
 
     def evict(self, limit: int, keep: str, ns: range) -> None:
@@ -112,6 +127,8 @@ class _Scope:
 
 
 class SuffixProposer(Proposer):
+    max_drafts = MAX_MATCH // 4
+
     def __init__(
         self,
         min_n: int = 2,
@@ -137,20 +154,11 @@ class SuffixProposer(Proposer):
 
     def propose(self, request: str, scope: bytes, tokens: list[int], k: int) -> list[int]:
         s = self._scopes.get(scope)
-        if s is not None and s.texts:
-            k = s.accepted.draft_length(k)
-        if k <= 0:
-            return []
         for n in reversed(self.ns):
             if len(tokens) < n:
                 continue
-            if s is not None and (drafts := s.continuation(request, tuple(tokens[-n:]), k)):
+            if s is not None and (drafts := s.continuation(request, tokens, n, k)):
                 return drafts
-            if drafts := latest_match(tokens, n, k):
+            if drafts := latest_match(tokens, n, min(k, max(1, n // 2))):
                 return drafts
         return []
-
-    def feedback(self, request: str, scope: bytes, drafted: int, accepted: int) -> None:
-        s = self._scopes.get(scope)
-        if s is not None:
-            s.accepted.record(accepted)
