@@ -21,6 +21,7 @@ from tutorserve.models.loader import load_model_config
 from tutorserve.sampling_params import StructuredOutputs
 from tutorserve.spec import NgramProposer, SuffixProposer, proposer_named, scope_key
 from tutorserve.spec import suffix as suffix_module
+from tutorserve.spec.ngram import longest_match
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SPEC = {
@@ -45,6 +46,24 @@ def test_ngram_proposer_drafts_what_followed_the_latest_match():
     assert propose(tokens, 0) == []
     with pytest.raises(ValueError, match="speculative must be one of ngram, suffix"):
         proposer_named("medusa")
+
+
+def test_the_longest_match_is_the_longest_n_grams_latest_earlier_occurrence():
+    """Against a search per n over every earlier window (the way it was found before)."""
+
+    def by_windows(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
+        for n in range(max_n, min_n - 1, -1):
+            starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
+            if starts:
+                return n, starts[-1] + n
+        return 0, 0
+
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        tokens = rng.integers(0, 2 + trial % 5, size=int(rng.integers(1, 40))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 6))
+        assert longest_match(tokens, min_n, max_n) == by_windows(tokens, min_n, max_n), tokens
 
 
 def test_suffix_proposer_drafts_one_students_reply_from_anothers():

@@ -5,22 +5,30 @@ the same request. vLLM, SGLang and llama.cpp ship the same idea ("prompt lookup 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from tutorserve.spec.proposer import Proposer
 
 
-def latest_match(tokens: list[int], n: int, k: int) -> list[int]:
-    """The up to `k` tokens that followed the latest earlier occurrence of the last `n`."""
-    if len(tokens) <= n:
-        return []
+def longest_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
+    """(n, i): the longest n in [min_n, max_n] such that the last n tokens occurred earlier, and
+    where the tokens that followed their latest earlier occurrence start; (0, 0) for none.
+    One pass: the occurrences of the last token, narrowed a token further back at a time (a
+    search per n over the whole text took half a millisecond a step at 2,000 tokens)."""
     arr = np.asarray(tokens, dtype=np.int64)
-    # Windows that end before the last token, so a match has at least one follower.
-    starts = np.flatnonzero((sliding_window_view(arr[:-1], n) == arr[-n:]).all(axis=1))
-    if not len(starts):
-        return []
-    follow = starts[-1] + n
-    return arr[follow : follow + k].tolist()
+    last = len(arr) - 1
+    if last < min_n:
+        return 0, 0
+    ends = np.flatnonzero(arr[:-1] == arr[-1])  # each followed by at least one token
+    n = 1
+    while len(ends) and n < min(max_n, last + 1):
+        room = ends[ends >= n]  # those with a token n before them
+        longer = room[arr[room - n] == arr[last - n]]
+        if not len(longer):
+            break
+        ends, n = longer, n + 1
+    if not len(ends) or n < min_n:
+        return 0, 0
+    return n, int(ends[-1]) + 1
 
 
 class NgramProposer(Proposer):
@@ -35,7 +43,5 @@ class NgramProposer(Proposer):
     def propose(self, request: str, scope: bytes, tokens: list[int], k: int) -> list[int]:
         if k <= 0:
             return []
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if drafts := latest_match(tokens, n, k):
-                return drafts
-        return []
+        n, at = longest_match(tokens, self.min_n, self.max_n)
+        return tokens[at : at + k] if n else []

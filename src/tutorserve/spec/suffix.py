@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
 
-from tutorserve.spec.ngram import latest_match
+from tutorserve.spec.ngram import longest_match
 from tutorserve.spec.proposer import Proposer
 
 _ENTRIES = 16  # occurrences remembered per n-gram (the latest)
@@ -153,12 +153,14 @@ class SuffixProposer(Proposer):
         s.evict(self.max_tokens_per_scope, request, self.ns)
 
     def propose(self, request: str, scope: bytes, tokens: list[int], k: int) -> list[int]:
-        s = self._scopes.get(scope)
+        s, own = self._scopes.get(scope), None
         for n in reversed(self.ns):
             if len(tokens) < n:
                 continue
             if s is not None and (drafts := s.continuation(request, tokens, n, k)):
                 return drafts
-            if drafts := latest_match(tokens, n, min(k, max(1, n // 2))):
-                return drafts
+            if own is None:  # the request's own longest match, looked for once
+                own = longest_match(tokens, self.ns.start, n)
+            if own[0] == n:
+                return tokens[own[1] : own[1] + min(k, max(1, n // 2))]
         return []
