@@ -159,7 +159,8 @@ class EngineConfig:
         8, Flag("requests in a step above which speculation pauses", _SPEC)
     )
     # Below that ceiling, by policy name (spec/backoff.py: "fixed" drafts always, "measured"
-    # while steps with drafts cost less per output token than steps without, as measured).
+    # while a drafted token's share kept times a plain step's cost per row exceeds its own
+    # cost, each as measured).
     speculative_backoff: str = _option(
         "measured", Flag("when to draft below that ceiling: fixed or measured", _SPEC)
     )

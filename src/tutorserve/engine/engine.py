@@ -301,9 +301,8 @@ class LLMEngine:
                 self.store.wait_for_reads(timeout=0.01)
             return []
         used_blocks, running = self.kv.num_used_blocks, len(self.scheduler.running)
-        shape, num_drafts = None, 0
-        if self.step_log is not None:
-            shape, num_drafts = batch.shape(), sum(len(s.spec_token_ids) for s in batch.seqs)
+        shape = batch.shape() if self.step_log is not None else None
+        num_drafts = sum(len(s.spec_token_ids) for s in batch.seqs) if drafted else 0
         # The back-off learns from decode-only steps: a prefill's cost is not the drafts'.
         timed_for_backoff = self.proposer is not None and all(
             n == 1 + len(seq.spec_token_ids)
@@ -326,7 +325,7 @@ class LLMEngine:
         ]
         outputs += failed
         if timed_for_backoff:
-            self.backoff.observe(len(batch.seqs), drafted, time.perf_counter() - start,
+            self.backoff.observe(len(batch.seqs), num_drafts, time.perf_counter() - start,
                                  sum(len(t) for t in result.tokens))  # fmt: skip
         elapsed = time.perf_counter() - start
         self.num_steps += 1

@@ -4,13 +4,19 @@ that happens depends on the model, its weights' format, the hardware and how man
 model keeps, so the engine asks a policy, chosen once by name:
 
 - `fixed`: draft while at most `limit` requests run (vLLM's `disable_by_batch_size`);
-- `measured`: below the same ceiling, compare what a step costs per output token with and
-  without drafts, at the batch size of the step to come, and keep what is cheaper. Both are
-  measured as the engine goes (a two-armed bandit per batch-size bucket): the arm that loses is
-  still tried, so a change in acceptance or load is noticed; `explore_every` steps after it
-  took the lead, then after twice as long each time it is still behind (up to
-  `MAX_EXPLORE_EVERY`), since at a batch where drafting costs 3× a step, one try in 32 alone
-  is 6 % of the time; and at once again after a try that beat the leader.
+- `measured`: below the same ceiling, draft while a drafted token saves more than it costs, at
+  the batch size of the step to come. A drafted token is kept with probability α and then saves
+  what a plain step spends per row, p; verifying it costs m. The engine's decode steps give, per
+  batch-size bucket, p (steps that verified no drafts: seconds per row), m (steps with drafts:
+  their seconds beyond p per row, per drafted token) and α (drafted tokens kept); drafting wins
+  while α·p > m. The costs are the hardware's and are followed over the last ~10 steps; α is
+  the workload's, and swings from request to request (a repeated reply is drafted whole, a new
+  one hardly), so it is followed over ~50. Timing whole steps with drafts against steps
+  without, per output token, as this policy did before, let a run of refused drafts switch
+  drafting off where it still paid at any α above a quarter (batch 1 on the default model's
+  blocks). The choice not taken is still tried now and then: `explore_every` decisions after
+  the lead changed, then after twice as long each time it is still behind (up to
+  `MAX_EXPLORE_EVERY`), and at once again after a try whose drafts paid.
 """
 
 from __future__ import annotations
@@ -28,9 +34,9 @@ class Backoff(ABC):
         """Whether a step's decode rows get drafts, when it will hold `batch` requests (those
         running and those about to join)."""
 
-    def observe(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:  # noqa: B027
-        """A decode step of `batch` requests ran `seconds` (the proposer's time in it) for
-        `tokens` output tokens, after `should_draft` said `drafted`."""
+    def observe(self, batch: int, drafts: int, seconds: float, tokens: int) -> None:  # noqa: B027
+        """A decode step of `batch` rows verifying `drafts` drafted tokens in all ran `seconds`
+        (the proposer's time in it) for `tokens` output tokens."""
 
 
 class FixedBackoff(Backoff):
@@ -39,37 +45,42 @@ class FixedBackoff(Backoff):
 
 
 @dataclass(slots=True)
-class _Arm:
-    """Seconds per output token of one choice over its recent steps: decayed sums of seconds and
-    of tokens, whose ratio weighs a step by its tokens (a mean of per-step ratios would let the
-    steps that kept no draft, costly per token, count as much as those that kept them all)."""
+class _Ratio:
+    """A ratio of decayed sums over recent steps: a step weighs by its denominator (a mean of
+    per-step ratios would let a step of one draft count as much as one of thirty)."""
 
-    DECAY = 0.9  # the last ~10 steps of this choice
-
+    decay: float = 0.9  # 0.9: the last ~10 steps that gave a sample
     samples: int = 0
-    seconds: float = 0.0
-    tokens: float = 0.0
+    num: float = 0.0
+    den: float = 0.0
 
-    def record(self, seconds: float, tokens: int) -> None:
+    def record(self, num: float, den: float) -> None:
         self.samples += 1
-        self.seconds = self.DECAY * self.seconds + seconds
-        self.tokens = self.DECAY * self.tokens + tokens
+        self.num = self.decay * self.num + num
+        self.den = self.decay * self.den + den
 
     @property
-    def per_token(self) -> float:
-        return self.seconds / self.tokens if self.tokens else 0.0
+    def value(self) -> float:
+        return self.num / self.den if self.den else 0.0
 
 
 @dataclass(slots=True)
 class _Bucket:
-    arms: tuple[_Arm, _Arm] = field(default_factory=lambda: (_Arm(), _Arm()))  # without, with
-    leader: bool | None = None  # whether drafting was the cheaper choice at the last decision
+    per_row: _Ratio = field(default_factory=_Ratio)  # p: seconds per row, steps without drafts
+    per_draft: _Ratio = field(default_factory=_Ratio)  # m: seconds beyond p per drafted token
+    # α: drafted tokens kept, over the last ~50 steps with drafts: a reply drafted from nothing
+    # alike refuses a run of drafts, which says little about the next request's
+    kept: _Ratio = field(default_factory=lambda: _Ratio(decay=0.98))
+    leader: bool | None = None  # whether drafting paid at the last decision
     decisions: int = 0  # since the leader took the lead or the other choice was last tried
     period: int = 0  # decisions between tries of the other choice
 
+    def drafting_pays(self) -> bool:
+        return self.kept.value * self.per_row.value > self.per_draft.value
+
 
 class MeasuredBackoff(Backoff):
-    WARMUP = 3  # steps each arm is measured before the averages decide
+    WARMUP = 3  # steps each of p and m is measured on before the estimates decide
     MAX_EXPLORE_EVERY = 256
 
     def __init__(self, limit: int, explore_every: int = 32) -> None:
@@ -86,10 +97,9 @@ class MeasuredBackoff(Backoff):
         if batch > self.limit:
             return False
         b = self.buckets.setdefault(self.bucket(batch), _Bucket())
-        without, with_ = b.arms
-        if min(without.samples, with_.samples) < self.WARMUP:
-            return with_.samples <= without.samples
-        better = with_.per_token < without.per_token
+        if min(b.per_row.samples, b.per_draft.samples) < self.WARMUP:
+            return b.per_draft.samples < b.per_row.samples  # p first: m is priced against it
+        better = b.drafting_pays()
         if better != b.leader:
             b.leader, b.decisions, b.period = better, 0, self.explore_every
         b.decisions += 1
@@ -98,15 +108,22 @@ class MeasuredBackoff(Backoff):
         b.decisions, b.period = 0, min(2 * b.period, self.MAX_EXPLORE_EVERY)
         return not better
 
-    def observe(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
+    def observe(self, batch: int, drafts: int, seconds: float, tokens: int) -> None:
         if batch > self.limit or tokens <= 0:
             return
         b = self.buckets.setdefault(self.bucket(batch), _Bucket())
-        b.arms[drafted].record(seconds, tokens)
-        lead = b.leader
-        if lead is not None and drafted != lead and seconds / tokens < b.arms[lead].per_token:
-            # A try that beat the leader: try again at once, so that a change shows within a
-            # few steps (the other choice's decayed average moves a tenth a try), not a few tries.
+        if not drafts:
+            b.per_row.record(seconds, batch)
+            return
+        if not b.per_row.samples:
+            return  # m is what a step costs beyond p: not known before p is
+        extra = seconds - batch * b.per_row.value
+        kept = max(0, tokens - batch)  # each row gives one token besides its kept drafts
+        b.per_draft.record(extra, drafts)
+        b.kept.record(kept, drafts)
+        if b.leader is False and kept * b.per_row.value > extra:
+            # A try whose drafts paid: try again at once, so that a rise in acceptance shows
+            # within a few steps (α's decayed sums move a tenth a try), not a few periods.
             b.decisions, b.period = 0, 1
 
 
