@@ -3,7 +3,7 @@ offline workload (~1,100 tokens of context) on the default model, each step's ro
 drafts that are all refused (the step's cost does not depend on how many are kept), with the
 tied LM head in GGUF's layout and repacked by sixteen rows, in turns on one engine.
 
-    .venv/bin/python bench/verify_cost.py [auto|none]   # --quantization; default auto
+    .venv/bin/python bench/verify_cost.py [auto|none] [0,1,2,4,8]   # --quantization; drafts
 
 Five turns of 15 steps per (head, k); prints the median ms per step and its ratio to a plain
 decode step (k = 0, GGUF head).
@@ -23,7 +23,7 @@ from tutorserve.quant import QuantLinear
 from tutorserve.spec.backoff import FixedBackoff
 from tutorserve.spec.proposer import Proposer
 
-DRAFTS, TURNS, STEPS = (0, 1, 2, 4, 8), 5, 15
+TURNS, STEPS = 5, 15
 
 
 class Refused(Proposer):
@@ -35,9 +35,9 @@ class Refused(Proposer):
         return [17] * min(self.k, k)
 
 
-def main(quantization: str) -> None:
+def main(quantization: str, drafts: list[int]) -> None:
     llm = LLM("smollm2-135m-instruct", quantization=quantization, speculative="ngram",
-              num_speculative_tokens=max(DRAFTS))  # fmt: skip
+              num_speculative_tokens=max(drafts))  # fmt: skip
     engine, model = llm.engine, llm.engine.model
     proposer = engine.proposer = Refused()
     engine.backoff = FixedBackoff(1)
@@ -47,7 +47,7 @@ def main(quantization: str) -> None:
             [model.embed_tokens.weight()], None, model.lm_head.scratch, repack=True
         )
     start_decoding(llm, 1, 4000)
-    ms: dict[tuple[str, int], list[float]] = {(h, k): [] for k in DRAFTS for h in heads}
+    ms: dict[tuple[str, int], list[float]] = {(h, k): [] for k in drafts for h in heads}
     for _ in tqdm(range(TURNS), desc="turns"):
         for head, k in ms:
             model.lm_head, proposer.k = heads[head], k
@@ -63,4 +63,7 @@ def main(quantization: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "auto")
+    main(
+        sys.argv[1] if len(sys.argv) > 1 else "auto",
+        [int(k) for k in (sys.argv[2] if len(sys.argv) > 2 else "0,1,2,4,8").split(",")],
+    )
