@@ -124,7 +124,7 @@ def plain(synth_llama, mixed_prompts):
         ("ngram", True, "cpu-kernel", 4),
         ("ngram", False, "cpu-kernel", 4),
         ("ngram", True, "gather", 4),
-        ("suffix", True, "cpu-kernel", None),  # the proposer's own: up to 16 a row
+        ("suffix", True, "cpu-kernel", None),  # the proposer's own: up to 11 a row
         ("suffix", False, "gather", 4),
     ],
 )
@@ -133,7 +133,7 @@ def test_greedy_output_is_identical_with_speculation(
 ):
     llm = LLM(synth_llama, dtype="float32", enable_prefix_caching=caching,
               **{**SPEC, "speculative": method, "num_speculative_tokens": drafts})  # fmt: skip
-    assert llm.engine.max_drafts == (drafts or 16)
+    assert llm.engine.max_drafts == (drafts or 11)
     if backend == "gather":
         llm.engine.runner.backend = GatherBackend()
     outs = llm.generate(mixed_prompts, GREEDY)
@@ -190,6 +190,31 @@ def test_the_default_model_verifies_with_plain_decodings_logits_bit_for_bit(monk
     (plain, plain_rows), (tokens, spec_rows) = runs
     common = plain_rows.keys() & spec_rows.keys()
     assert len(common) >= len(prompts) * params.max_tokens
+    assert all(torch.equal(plain_rows[c], spec_rows[c]) for c in common)
+    assert tokens == plain
+
+
+def test_a_request_alone_verifies_the_longest_suffix_drafts_with_plain_decodings_logits(
+    monkeypatch,
+):
+    """A second student sending the first's request gets the first's reply drafted as long as
+    the proposer drafts (11 tokens, 12 query rows); every row is still the same bits as plain
+    decoding's (with 16 drafts the LM head ran a dequantized GEMM above 12 rows, and did not)."""
+    seen = logits_by_context(monkeypatch)
+    prompt = "Explain step by step how to solve 3x + 5 = 20, then check the answer. " * 4
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = []
+    for spec in ({}, {"speculative": "suffix", "speculative_backoff": "fixed"}):
+        seen.clear()
+        llm = LLM("smollm2-135m-instruct", dtype="bfloat16", max_num_seqs=1, **spec)
+        outs = llm.generate([prompt, prompt], params)
+        runs.append(([o.token_ids for o in outs], dict(seen)))
+        _no_leaks(llm)
+    accepted = llm.engine.stats().spec.accepted_per_position
+    assert len(accepted) == SuffixProposer.max_drafts and accepted[-1] > 0  # whole drafts kept
+    (plain, plain_rows), (tokens, spec_rows) = runs
+    common = plain_rows.keys() & spec_rows.keys()
+    assert len(common) >= params.max_tokens
     assert all(torch.equal(plain_rows[c], spec_rows[c]) for c in common)
     assert tokens == plain
 

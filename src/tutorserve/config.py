@@ -147,7 +147,7 @@ class EngineConfig:
     speculative: str | None = _option(
         None, Flag("draft tokens with this proposer and verify them in one step", _SPEC, type=str)
     )
-    # The most drafts a row gets; None: the proposer's own (16 for suffix, whose drafts are as
+    # The most drafts a row gets; None: the proposer's own (11 for suffix, whose drafts are as
     # long as its match makes likely to be kept; 4 for the others).
     num_speculative_tokens: int | None = _option(
         None, Flag("most tokens drafted per decode row (default: the proposer's)", _SPEC, type=int)
