@@ -123,7 +123,7 @@ class MeasuredBackoff(Backoff):
         b.kept.record(kept, drafts)
         if b.leader is False and kept * b.per_row.value > extra:
             # A try whose drafts paid: try again at once, so that a rise in acceptance shows
-            # within a few steps (α's decayed sums move a tenth a try), not a few periods.
+            # within tens of steps (α's decayed sums move a fiftieth a try), not periods.
             b.decisions, b.period = 0, 1
 
 
