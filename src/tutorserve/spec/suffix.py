@@ -4,7 +4,7 @@ decoding (Oliaro et al. 2024) it drafts from earlier outputs by matching the req
 tokens, here through an index of their n-grams (the longest n tried first), kept per scope and
 bounded in tokens; and like it, a draft is as long as the match makes it likely to be kept: a
 quarter of the tokens by which the request's latest ones agree with the earlier text (compared
-back up to `MAX_MATCH`). On a class's tutor replies (`bench/suffix_replay.py`), 96 % of the
+back up to `MAX_MATCH`). On a class's tutor replies (`bench/suffix_replay.py`), 93 % of the
 tokens drafted after an agreement of 64 were kept, half of those after one under 8, and each
 drafted token costs about a quarter of a plain step on the default model's blocks
 (docs/benchmarks/speculative.md). The request's own tokens are searched too (prompt lookup),
