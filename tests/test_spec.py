@@ -134,6 +134,8 @@ def test_greedy_output_is_identical_with_speculation(
     llm = LLM(synth_llama, dtype="float32", enable_prefix_caching=caching,
               **{**SPEC, "speculative": method, "num_speculative_tokens": drafts})  # fmt: skip
     assert llm.engine.max_drafts == (drafts or 11)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(synth_llama, speculative=method, num_speculative_tokens=0)  # not "the default"
     if backend == "gather":
         llm.engine.runner.backend = GatherBackend()
     outs = llm.generate(mixed_prompts, GREEDY)

@@ -201,7 +201,8 @@ class EngineConfig:
             raise ValueError("session_ttl must be positive")
         if self.max_bypass < 0:
             raise ValueError("max_bypass must be >= 0")
-        if (self.num_speculative_tokens or 1) < 1 or self.speculative_disable_by_batch_size < 1:
+        drafts = 1 if self.num_speculative_tokens is None else self.num_speculative_tokens
+        if drafts < 1 or self.speculative_disable_by_batch_size < 1:
             raise ValueError(
                 "num_speculative_tokens and speculative_disable_by_batch_size must be >= 1"
             )
