@@ -2,7 +2,7 @@
 
 import asyncio
 
-from tutorserve.bench.tutor_turns import _Greedy, run_tutor_bench
+from tutorserve.bench.tutor_turns import _answers, _Greedy, run_tutor_bench
 
 
 class _Recorder:
@@ -44,3 +44,28 @@ def test_greedy_runs_with_and_without_drafts_compute_the_same_turns(synth_llama_
     for counts in (plain_counts, drafted_counts):
         assert counts["prefill_steps"] > 0 and counts["decode_steps"] > 0
         assert counts["prefill_seconds"] > 0
+
+
+def test_each_variant_of_a_class_answers_wrongly_twice_then_rightly():
+    from tutorserve.tutor.answers import is_correct
+    from tutorserve.tutor.courses import load_courses
+
+    for course in load_courses().values():
+        for problem in course.problem.values():
+            variants = [_answers(problem, v) for v in range(16)]
+            for answers in variants:
+                assert [is_correct(a, problem) for a in answers] == [False, False, True]
+            # Variant 0 is the class that answers alike; others differ from it.
+            assert variants[0] == _answers(problem) and variants[1] != variants[0]
+            if len(problem.misconceptions) > 1:
+                assert variants[1][0] != variants[0][0]  # another authored mistake first
+
+
+def test_sessions_in_flight_are_capped(synth_llama_long):
+    counts = {
+        limit: run_tutor_bench(
+            synth_llama_long, 2, 1, {"dtype": "float32"}, True, limit, varied=True
+        )[1]["max_sessions_in_flight"]
+        for limit in (None, 1)
+    }
+    assert counts == {None: 4, 1: 1}  # two courses of two students

@@ -123,8 +123,20 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser("tutor", help="tutoring turns: critical path vs sum of steps, guard use")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", **DTYPE_ARG)
-    p.add_argument("--students", type=int, default=4, help="concurrent students per course")
+    p.add_argument("--students", type=int, default=4, help="students per course")
     p.add_argument("--problems", type=int, default=3, help="problems each student works through")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        help="sessions in flight at once (default: every student at once); "
+        "the others wait their turn, one course and student after another",
+    )
+    p.add_argument(
+        "--varied-answers",
+        action="store_true",
+        help="each student of a class starts from another authored mistake and gives its own "
+        "second wrong answer (default: all answer alike)",
+    )
     add_engine_args(p, only=("quantization", "speculative", "num_speculative_tokens",
                              "speculative_disable_by_batch_size", "speculative_backoff",
                              "batch_invariant"),
@@ -553,10 +565,12 @@ def cmd_tutor(a: argparse.Namespace) -> int:
         summary_table,
     )
 
-    if a.students < 1 or a.problems < 1:
-        raise ValueError("--students and --problems must be at least 1")
+    if min(a.students, a.problems) < 1 or (a.max_concurrency is not None and a.max_concurrency < 1):
+        raise ValueError("--students, --problems and --max-concurrency must be at least 1")
     options = engine_options(a) | {"dtype": a.dtype}
-    samples, cache = run_tutor_bench(a.model, a.students, a.problems, options, a.greedy)
+    samples, cache = run_tutor_bench(
+        a.model, a.students, a.problems, options, a.greedy, a.max_concurrency, a.varied_answers
+    )
     _save(a.out, "tutor", as_json(samples, cache), lambda png: plot(samples, png))
     print(summary_table(samples))
     print()
@@ -565,7 +579,8 @@ def cmd_tutor(a: argparse.Namespace) -> int:
     computed = cache["prompt_tokens"] - cache["prefix_hit_tokens"]
     print(f"\nprefix cache: {hit:.1%} of {cache['prompt_tokens']} prompt tokens served from cache; "
           f"{computed} computed; {cache['kv_evictions']} cached blocks evicted")  # fmt: skip
-    print(f"model calls: {cache['model_calls']}, mean TPOT {cache['mean_tpot_ms']:.1f} ms")
+    print(f"sessions at once: at most {cache['max_sessions_in_flight']}; model calls: "
+          f"{cache['model_calls']}, mean TPOT {cache['mean_tpot_ms']:.1f} ms")  # fmt: skip
     print("engine steps: " + ", ".join(
         f"{cache[k + '_steps']} {k} ({cache[k + '_seconds']:.1f} s)"
         for k in ("prefill", "verify", "decode")

@@ -1,5 +1,6 @@
 """Tutoring turns end to end on the real engine, in process: simulated students answer each
-problem wrongly twice (an authored misconception, then another wrong value) and then rightly.
+problem wrongly twice (an authored misconception, then another wrong value) and then rightly;
+by default every student of a class the same way, or each its own way (`varied`).
 
 Per turn it records the critical path (what the student waits for: diagnose ∥ retrieve →
 explain → assess) against the sum of all five steps, engage included (what running them one
@@ -44,22 +45,27 @@ class TurnSample:
     reply: str
 
 
-def _answers(problem: Problem) -> list[str]:
+def _answers(problem: Problem, variant: int = 0) -> list[str]:
     """A known mistake (diagnosed from the course), another wrong answer (diagnosed by the
-    model), then the right answer."""
-    known = [m.answer for m in problem.misconceptions]
-    other = "x = 41" if problem.answer_type == "numeric" else (known[1:] or ["41"])[0]
-    return [(known or ["41"])[0], other, problem.answer]
+    model), then the right answer. Each `variant` starts from another of the problem's authored
+    mistakes and gives another second wrong answer, so that classmates' histories differ."""
+    known = [m.answer for m in problem.misconceptions] or ["41"]
+    first = known[variant % len(known)]
+    if problem.answer_type == "numeric":
+        other = f"x = {41 + variant}"
+    else:
+        other = known[(variant + 1) % len(known)] if len(known) > 1 else str(41 + variant)
+    return [first, other, problem.answer]
 
 
 async def _student(
-    service: TutorService, course: Course, student: int, problems: int, bar: tqdm
+    service: TutorService, course: Course, student: int, problems: int, varied: bool, bar: tqdm
 ) -> list[TurnSample]:
     session = await service.start_session(f"bench-{course.id}-{student}", course.id)
     pid = session["problem"]["id"]
     out = []
     for _ in range(problems):
-        for message in _answers(course.problem[pid]):
+        for message in _answers(course.problem[pid], student if varied else 0):
             turn = await service.start_turn(session["id"], message)
             events = {e["event"]: e async for e in turn}
             final, engage_ms = events["final"], events["engage"]["duration_ms"]
@@ -95,7 +101,13 @@ class _Greedy:
 
 
 async def _run(
-    model: str, students: int, problems: int, options: dict[str, Any], greedy: bool
+    model: str,
+    students: int,
+    problems: int,
+    options: dict[str, Any],
+    greedy: bool,
+    max_concurrency: int | None,
+    varied: bool,
 ) -> tuple[list[TurnSample], dict[str, float]]:
     config = EngineConfig.from_kwargs(model=model, **options)
     server = AsyncEngine(lambda: LLMEngine(config))
@@ -115,14 +127,22 @@ async def _run(
         store = TutorStore(f"sqlite:///{d}/bench.db")
         service = TutorService(courses, store, _Greedy(llm) if greedy else llm)
         total = len(courses) * students * problems * 3
+        sessions = asyncio.Semaphore(max_concurrency or len(courses) * students)
+        in_flight = [0, 0]  # now, most
+
+        async def student(course: Course, i: int, bar: tqdm) -> list[TurnSample]:
+            async with sessions:
+                in_flight[0] += 1
+                in_flight[1] = max(in_flight)
+                try:
+                    return await _student(service, course, i, problems, varied, bar)
+                finally:
+                    in_flight[0] -= 1
+
         try:
             with tqdm(total=total, desc="tutor turns", unit="turn") as bar:
                 runs = await asyncio.gather(
-                    *(
-                        _student(service, c, i, problems, bar)
-                        for c in courses.values()
-                        for i in range(students)
-                    )
+                    *(student(c, i, bar) for c in courses.values() for i in range(students))
                 )
         finally:
             await service.close()
@@ -136,6 +156,7 @@ async def _run(
         "kv_evictions": kv.pool.num_evictions,
         "spec_draft_tokens": spec.num_draft_tokens,
         "spec_accepted_tokens": spec.num_accepted_tokens,
+        "max_sessions_in_flight": in_flight[1],
         # Every model call's time per output token after its first (vLLM's mean TPOT).
         "model_calls": len(tpots),
         "mean_tpot_ms": 1000 * statistics.fmean(tpots) if tpots else 0.0,
@@ -156,11 +177,21 @@ def _step_kinds(steps: list[StepRecord]) -> dict[str, list[StepRecord]]:
 
 
 def run_tutor_bench(
-    model: str, students: int, problems: int, options: dict[str, Any], greedy: bool = False
+    model: str,
+    students: int,
+    problems: int,
+    options: dict[str, Any],
+    greedy: bool = False,
+    max_concurrency: int | None = None,
+    varied: bool = False,
 ) -> tuple[list[TurnSample], dict[str, float]]:
     """`greedy`: every agent decodes greedily, so that runs of different engine options compute
-    the same replies and differ only in how fast."""
-    return asyncio.run(_run(model, students, problems, options, greedy))
+    the same replies and differ only in how fast. `varied`: each student of a class answers its
+    own way (else all alike). `max_concurrency`: sessions in flight at once
+    (none: every student of every course at once); the others wait their turn, course by course
+    and student by student, so with 1 a class works through its problems one student after
+    another, each after the classmates before it."""
+    return asyncio.run(_run(model, students, problems, options, greedy, max_concurrency, varied))
 
 
 def summary_table(samples: list[TurnSample]) -> str:
