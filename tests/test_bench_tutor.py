@@ -44,6 +44,8 @@ def test_greedy_runs_with_and_without_drafts_compute_the_same_turns(synth_llama_
     for counts in (plain_counts, drafted_counts):
         assert counts["prefill_steps"] > 0 and counts["decode_steps"] > 0
         assert counts["prefill_seconds"] > 0
+        total = sum(counts[f"{k}_seconds"] for k in ("prefill", "verify", "decode"))
+        assert 0 < counts["outside_forward_seconds"] < total
 
 
 def test_each_variant_of_a_class_answers_wrongly_twice_then_rightly():

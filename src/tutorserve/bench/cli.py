@@ -584,7 +584,7 @@ def cmd_tutor(a: argparse.Namespace) -> int:
     print("engine steps: " + ", ".join(
         f"{cache[k + '_steps']} {k} ({cache[k + '_seconds']:.1f} s)"
         for k in ("prefill", "verify", "decode")
-    ))  # fmt: skip
+    ) + f"; {cache['outside_forward_seconds']:.1f} s outside the model's forward")  # fmt: skip
     if drafted := cache["spec_draft_tokens"]:
         kept = cache["spec_accepted_tokens"]
         print(f"speculative decoding: {kept} of {drafted} drafted tokens accepted "

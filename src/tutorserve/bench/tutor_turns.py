@@ -164,6 +164,9 @@ async def _run(
     for kind, group in _step_kinds(steps).items():
         counts[f"{kind}_steps"] = len(group)
         counts[f"{kind}_seconds"] = sum(r.step_s for r in group)
+    # The engine's own time around the model (scheduling, drafting, bookkeeping): what a
+    # proposer adds to a step that drafts nothing.
+    counts["outside_forward_seconds"] = sum(r.step_s - r.forward_s for r in steps)
     return [s for run in runs for s in run], counts
 
 
