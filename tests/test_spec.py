@@ -18,8 +18,9 @@ from tutorserve.engine.sequence import Sequence
 from tutorserve.layers.attention.gather import GatherBackend
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
+from tutorserve.paging import hash_block
 from tutorserve.sampling_params import StructuredOutputs
-from tutorserve.spec import NgramProposer, SuffixProposer, proposer_named, scope_key
+from tutorserve.spec import NgramProposer, Proposer, SuffixProposer, proposer_named, scope_key
 from tutorserve.spec import suffix as suffix_module
 from tutorserve.spec.ngram import longest_match
 
@@ -233,6 +234,38 @@ def test_cached_blocks_hold_no_rejected_draft(synth_llama, mixed_prompts, plain)
     outs = llm.generate(second_prompts, GREEDY)
     assert [o.token_ids for o in outs] == want
     assert sum(o.metrics.num_cached_tokens for o in outs) > sum(len(p) for p in mixed_prompts)
+    _no_leaks(llm)
+
+
+class _Refused(Proposer):
+    """k copies of one token: drafts the model nearly always refuses, so almost every step
+    writes K/V for tokens it then throws away."""
+
+    def propose(self, request: str, scope: bytes, tokens: list[int], k: int) -> list[int]:
+        return [7] * k
+
+
+def test_blocks_spilled_to_the_kv_tiers_hold_no_rejected_draft(synth_llama, tmp_path):
+    """A turn decoded under refused drafts, its blocks pushed out of the pool into the RAM
+    tier, then restored from there for the next turn: that turn equals a plain engine's, which
+    it would not if a rejected draft's K/V had been spilled."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, 470, 200).tolist()
+    llm = LLM(synth_llama, dtype="float32", num_kv_blocks=48, kv_ram_bytes=1 << 26, **SPEC)
+    llm.engine.proposer = _Refused()
+    reply = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    spec = llm.engine.stats().spec
+    assert spec.num_draft_tokens > 4 * spec.num_accepted_tokens  # refused, nearly all
+    for _ in range(4):  # unrelated prompts take every block of the pool
+        llm.generate([rng.integers(3, 470, 300).tolist()], GREEDY)
+    history = prompt + reply[0].token_ids
+    assert llm.engine.kv.pool.lookup(hash_block(b"", history[:16])) is None  # left the pool
+    fresh = LLM(synth_llama, dtype="float32", enable_prefix_caching=False, kv_ram_bytes=0)
+    out = llm.generate([history], GREEDY)[0]
+    assert out.token_ids == fresh.generate([history], GREEDY)[0].token_ids
+    # Every full block of the history, the reply's among them, came back from the tier.
+    assert out.metrics.num_cached_tokens == (len(history) - 1) // 16 * 16 > len(prompt)
+    assert {t.name: t.stats for t in llm.engine.store.tiers}["ram"].hits >= 16
     _no_leaks(llm)
 
 
