@@ -136,21 +136,29 @@ def test_a_class_waiting_on_a_writer_moved_down_a_tier_takes_its_reply(algebra, 
     client = httpx.AsyncClient(transport=httpx.MockTransport(endpoint))
     large = OpenAILLM("http://stub/v1", "large-stub", http_client=client)
     small = CountingLLM("small")
-    config = BreakerConfig(min_calls=20, slow_s=0.3)  # stays closed throughout
+    # A learner whose turn reaches the cache only after the writer moved down a tier asks the
+    # large model itself (its breaker is still closed): `slow_s` leaves a loaded host's session
+    # store a second to let the whole class in while the writer waits.
+    slow_s = 1.0
+    config = BreakerConfig(min_calls=20, slow_s=slow_s)  # stays closed throughout
     routing = Routing({Tier.SMALL: small, Tier.LARGE: large}, Uniform(Tier.LARGE), config,
                       ReplyCache())  # fmt: skip
     service = TutorService({"algebra": algebra}, store, routing)
 
+    async def turn(session: dict) -> dict:
+        return final([e async for e in await service.start_turn(session["id"], "x = 7")])
+
     async def go():
+        sessions = [await service.start_session(f"kid{i}", "algebra") for i in range(8)]
         t0 = time.monotonic()
-        finals = await asyncio.gather(*(turns(service, f"kid{i}", ["x = 7"]) for i in range(8)))
-        return [f for (f,) in finals], time.monotonic() - t0
+        finals = await asyncio.gather(*(turn(s) for s in sessions))
+        return finals, time.monotonic() - t0
 
     finals, took = asyncio.run(go())
     # One hanging call per cached reply (diagnose, explain), not one per learner; engage's
     # sentence names the learner's own progress, so each learner's is asked for (at once).
     assert len(hits) == 2 + 8
-    assert took < 0.3 * 8, "the class waited on the hanging model one writer after another"
+    assert took < slow_s * 8, "the class waited on the hanging model one writer after another"
     assert sorted(f["tiers"]["explain"] for f in finals) == ["cache"] * 7 + ["small"]
     assert len({f["reply"] for f in finals}) == 1 and calls_to(small, "explain") == 1
 
