@@ -68,13 +68,14 @@ def test_history_cached_counts_what_a_turn_carries_over_from_the_previous_one():
 
 
 def test_a_runs_server_counters_are_the_differences_of_two_scrapes():
-    keys = SERVER_COUNTERS  # queries, hits, drafted, accepted, steps, their seconds
-    before = dict(zip(keys, (100, 50, 10, 4, 20, 1.0), strict=True))
-    after = dict(zip(keys, (500, 350, 410, 104, 120, 3.5), strict=True))
+    keys = SERVER_COUNTERS  # queries, hits, drafted, accepted, steps, their seconds, preempted
+    before = dict(zip(keys, (100, 50, 10, 4, 20, 1.0, 3), strict=True))
+    after = dict(zip(keys, (500, 350, 410, 104, 120, 3.5, 7), strict=True))
     counts = server_counts(before, after)
     assert counts == {"server_prefix_cache_hit_rate": 0.75, "spec_draft_tokens": 400,
                       "spec_accepted_tokens": 100, "spec_acceptance_rate": 0.25,
-                      "server_engine_steps": 100, "server_mean_step_ms": 25.0}  # fmt: skip
+                      "server_preemptions": 4, "server_engine_steps": 100,
+                      "server_mean_step_ms": 25.0}  # fmt: skip
     assert server_counts({}, after) == {}  # no /metrics before the run: nothing to say
     plain = {k: v for k, v in after.items() if k.startswith("prefix")}
     assert server_counts(plain, plain) == {}  # no queries in between, no drafts

@@ -137,8 +137,8 @@ async def _send(
 
 
 # Counters read from a server's Prometheus text before and after a run: ours and vLLM's both
-# end their names so (prefix cache in tokens; speculative decoding's drafted and accepted tokens);
-# the engine's steps and their time are ours only.
+# end their names so (prefix cache in tokens; speculative decoding's drafted and accepted tokens;
+# requests preempted); the engine's steps and their time are ours only.
 SERVER_COUNTERS = (
     "prefix_cache_queries_total",
     "prefix_cache_hits_total",
@@ -146,6 +146,7 @@ SERVER_COUNTERS = (
     "spec_decode_num_accepted_tokens_total",
     "engine_steps_total",
     "engine_step_seconds_total",
+    "num_preemptions_total",
 )
 
 

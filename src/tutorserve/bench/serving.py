@@ -61,8 +61,8 @@ def run_benchmark(
 
 def server_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What the server's counters say of the run between two scrapes: its prefix-cache hit
-    rate, the tokens it drafted and accepted (speculative decoding), and its engines' steps and
-    mean step time, where it counts them."""
+    rate, the tokens it drafted and accepted (speculative decoding), the requests it preempted,
+    and its engines' steps and mean step time, where it counts them."""
     d = {k: after[k] - before[k] for k in after if k in before}
     out = {}
     if d.get("prefix_cache_queries_total", 0) > 0 and "prefix_cache_hits_total" in d:
@@ -74,6 +74,8 @@ def server_counts(before: dict[str, float], after: dict[str, float]) -> dict[str
         accepted = d["spec_decode_num_accepted_tokens_total"]
         out |= {"spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
                 "spec_acceptance_rate": accepted / drafted}  # fmt: skip
+    if "num_preemptions_total" in d:
+        out["server_preemptions"] = d["num_preemptions_total"]
     steps = d.get("engine_steps_total", 0)
     if steps > 0 and "engine_step_seconds_total" in d:
         out |= {"server_engine_steps": steps,

@@ -20,7 +20,8 @@ from tutorserve.sim.simulator import SimResult
 from tutorserve.sim.workload import serving_sessions
 
 log = logging.getLogger(__name__)
-METRICS = ("goodput", "p50_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "mean_step_ms", "prefix_hit")
+METRICS = ("goodput", "p50_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "mean_step_ms", "prefix_hit",
+           "preemptions")  # fmt: skip
 _FIT_ROUNDS, _FIT_TOLERANCE_S = 8, 1e-4  # the per-step overhead settles to 0.1 ms
 
 
@@ -28,7 +29,8 @@ def _measured(summary: dict[str, float]) -> dict[str, float]:
     """The run's summary, with what the server's counters said under the simulator's names
     (NaN where the server, or a run from before the counter, does not say)."""
     return {**summary, "prefix_hit": summary.get("server_prefix_cache_hit_rate", math.nan),
-            "mean_step_ms": summary.get("server_mean_step_ms", math.nan)}  # fmt: skip
+            "mean_step_ms": summary.get("server_mean_step_ms", math.nan),
+            "preemptions": summary.get("server_preemptions", math.nan)}  # fmt: skip
 
 
 def _simulate(
