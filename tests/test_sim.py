@@ -2,6 +2,7 @@
 coefficients, and the planner's KV formula against the engine's own block accounting."""
 
 import gzip
+import itertools
 import json
 import math
 import random
@@ -21,7 +22,7 @@ from tutorserve.models.loader import load_model_config
 from tutorserve.sim.planner import POLICIES, Planner, kv_wall
 from tutorserve.sim.replica import ReplicaSpec, SimReplica
 from tutorserve.sim.setup import Deployment
-from tutorserve.sim.simulator import SimSession, SimTurn, Simulation
+from tutorserve.sim.simulator import ClientRun, SimResult, SimSession, SimTurn, Simulation
 from tutorserve.sim.workload import Cohort
 
 CONST, PER_TOKEN = 0.010, 0.001  # seconds: a step costs 10 ms plus 1 ms per token
@@ -137,6 +138,61 @@ def test_round_robin_splits_a_course_that_cache_aware_keeps():
         sim.run(sessions)
         hits[routing] = sum(r.kv.prefix_hit_tokens for r in sim.replicas)
     assert hits == {"round-robin": 2 * 64, "cache-aware": 3 * 64}
+
+
+def test_an_earlier_run_leaves_its_caches_and_routing_but_not_its_counts():
+    """A run replayed after what its server served before (`sim validate`): a course an earlier
+    run sent is still cached on the replica the router placed it on; the counts are the run's."""
+    course = list(range(64))
+    earlier = ClientRun([_one_turn([*course, 9000 + i], 2, 0.0) for i in range(2)])
+    run = [_one_turn([*course, 5000], 2, 0.0)]
+    blank, after = _sim(n=2, routing="cache-aware"), _sim(n=2, routing="cache-aware")
+    (cold,) = blank.run(run).requests
+    result = after.run(run, earlier=[earlier])
+    (warm,) = result.requests
+    assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, 64)
+    summary = result.summary(SLO())
+    assert summary["prefix_cache_hit_rate"] == pytest.approx(64 / 65)  # this run's query only
+    assert sum(r.num_steps for r in after.replicas) == sum(r.num_steps for r in blank.replicas)
+    assert warm.arrival > 0, "the run starts after the earlier one ended"
+
+
+def test_a_capped_client_sends_a_turn_only_when_one_ends():
+    sim = _sim(n=1)
+    result = SimResult([], sim.replicas)
+    sessions = [_one_turn([100 * i + t for t in range(20)], 3, 0.0) for i in range(3)]
+    sim._serve(ClientRun(sessions, max_concurrency=1), "", 0.0, result)
+
+    def one_at_a_time(requests) -> bool:
+        done = sorted(requests, key=lambda r: r.first_token)
+        return all(b.first_token > a.finish for a, b in itertools.pairwise(done))
+
+    assert len(result.requests) == 3 and one_at_a_time(result.requests)
+    assert not one_at_a_time(_sim(n=1).run(sessions).requests), "uncapped, they overlap"
+
+
+def test_a_runs_earlier_runs_are_recorded_or_taken_from_the_runs_beside_it(tmp_path):
+    from tutorserve.bench.compare import cohort_of, warmup_cohort
+    from tutorserve.sim.validate import served_before
+
+    def config(system: str, seed: int, **more) -> dict:
+        return {"system": system, "workload": "edu-multiturn", "num_requests": 8,
+                "request_rate": seed / 10, "burstiness": 1.0, "arrival": "gamma", "seed": seed,
+                "max_concurrency": None, **more}  # fmt: skip
+
+    for system, seed in (("x", 5), ("x", 6), ("x", 7), ("y", 4)):
+        path = tmp_path / f"{system}-{seed}.json"
+        path.write_text(json.dumps({"config": config(system, seed)}))
+    run = json.loads((tmp_path / "x-7.json").read_text())
+    assert served_before(tmp_path / "x-7.json", run) == [
+        warmup_cohort(run["config"]),
+        cohort_of(config("x", 5)),
+        cohort_of(config("x", 6)),
+    ]
+    recorded = {"config": config("x", 7, served_before=[cohort_of(config("y", 4))])}
+    assert served_before(tmp_path / "x-7.json", recorded) == [cohort_of(config("y", 4))]
+    plain = {k: v for k, v in config("x", 7).items() if k != "system"}  # a `bench serve` run
+    assert served_before(tmp_path / "x-7.json", {"config": plain}) == []
 
 
 def test_ram_tier_brings_back_an_evicted_history_for_its_copy_time():
@@ -289,10 +345,10 @@ def test_fit_serving_recovers_a_known_step_and_request_overhead(tmp_path):
     cfg, tok = load_model_config("smollm2-135m-instruct"), load_tokenizer("smollm2-135m-instruct")
     config = {"argv": ["serve", "--kv-ram-gb", "0", "--kv-disk-gb", "0", "--kv-cache-gb", "0.05"],
               "workload": "edu-multiturn", "num_requests": 24, "request_rate": 0.2,
-              "burstiness": 1.0, "arrival": "gamma", "seed": 3}  # fmt: skip
+              "burstiness": 1.0, "arrival": "gamma", "seed": 3, "served_before": []}  # fmt: skip
     truth = replace(_cost(), serving_step_overhead_s=0.015, request_overhead_s=0.04)
-    records = _simulate({"config": config}, truth, cfg, tok)[1].records()
     run = tmp_path / "measured.json"
+    records = _simulate(run, {"config": config}, truth, cfg, tok)[1].records()
     run.write_text(json.dumps({"config": config, "records": [asdict(r) for r in records]}))
     fitted = fit_serving([run], _cost(), cfg, tok)
     assert fitted.serving_step_overhead_s == pytest.approx(0.015, abs=0.001)

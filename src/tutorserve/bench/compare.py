@@ -24,6 +24,20 @@ from tutorserve.models.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 _WARMUP_REQUESTS = 8
 _WARMUP_SEED = 10_000
+_WARMUP_CONCURRENCY = 4
+# What regenerates a run's sessions and their send times (`sim validate` replays them).
+COHORT_KEYS = ("workload", "num_requests", "request_rate", "burstiness", "arrival", "seed",
+               "max_concurrency")  # fmt: skip
+
+
+def cohort_of(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: config[k] for k in COHORT_KEYS}
+
+
+def warmup_cohort(config: dict[str, Any]) -> dict[str, Any]:
+    """The warm-up `run_compare` sends a server before its runs of `config`'s workload."""
+    warm = {"num_requests": _WARMUP_REQUESTS, "request_rate": math.inf, "seed": _WARMUP_SEED}
+    return cohort_of(config) | warm | {"max_concurrency": _WARMUP_CONCURRENCY}
 
 
 def run_compare(
@@ -55,7 +69,11 @@ def run_compare(
             with RunningServer(system, port, out / "logs" / f"{name}.log") as server:
                 cfg = ClientConfig(server.url, files.name, max_concurrency=max_concurrency)
                 warm = workload | {"num_requests": _WARMUP_REQUESTS, "seed": _WARMUP_SEED}
-                run_benchmark(replace(cfg, max_concurrency=4), tok, request_rate=math.inf, **warm)
+                warmed = run_benchmark(replace(cfg, max_concurrency=_WARMUP_CONCURRENCY), tok,
+                                       request_rate=math.inf, **warm)  # fmt: skip
+                # What this server served before each run: its caches and router remember it,
+                # so the simulator replays it before the run (`sim validate`).
+                served = [cohort_of(warmed["config"])]
                 for k, rate in enumerate(rates):
                     # A fresh cohort per rate, or later rates would hit earlier rates' prompts.
                     cohort = workload | {"seed": workload["seed"] + k}
@@ -68,8 +86,9 @@ def run_compare(
                         injected = None if fault is None else fault.stop()
                     result["config"] |= {
                         "system": name, "argv": system.argv, "env": system.env,
-                        "dtype": host_dtype(dtype), "fault": injected,
+                        "dtype": host_dtype(dtype), "fault": injected, "served_before": served,
                     }  # fmt: skip
+                    served = [*served, cohort_of(result["config"])]
                     path = out / f"{workload['workload']}-{name}-rate{rate:g}.json"
                     path.write_text(json.dumps(result, indent=1))
                     results.append(result)

@@ -40,6 +40,7 @@ class SimRequest:
     num_preemptions: int = 0
     output: list[int] | None = None  # stand-in output ids, for the session's next prompt
     block_hashes: list[bytes] = field(default_factory=list)  # its prompt's, hashed once to route
+    key: str = ""  # its session's, at the router and in the tiers (unique across runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +90,33 @@ class SimReplica:
         self.num_steps = 0
         self.peak_used_blocks = 0
         self.block_seconds = 0.0  # ∫ used KV blocks dt, for mean occupancy
+        self._counted_from = (0, 0, 0)  # the engine's own counters when counting began
         self._batch: list[tuple[Sequence, int]] = []
         self._rng = random.Random(name)  # stand-in output ids (events run in a fixed order)
 
     @property
     def load(self) -> int:
         return len(self.requests)
+
+    def start_counting(self) -> None:
+        """Count steps, occupancy, prefix hits and preemptions from here on (what it served
+        before keeps its cache contents, not its share of the counts)."""
+        self.busy_seconds = self.block_seconds = 0.0
+        self.num_steps = self.peak_used_blocks = 0
+        self._counted_from = (self.kv.prefix_query_tokens, self.kv.prefix_hit_tokens,
+                              self.scheduler.num_preemptions)  # fmt: skip
+
+    @property
+    def prefix_query_tokens(self) -> int:
+        return self.kv.prefix_query_tokens - self._counted_from[0]
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.kv.prefix_hit_tokens - self._counted_from[1]
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.num_preemptions - self._counted_from[2]
 
     def add(self, req: SimRequest, prompt: list[int] | None = None,
             max_tokens: int | None = None) -> None:  # fmt: skip
@@ -106,7 +128,7 @@ class SimReplica:
             raise ValueError(f"request {req.request_id} alone outgrows the replica's KV pool")
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         seq = Sequence(req.request_id, prompt, params, arrival_time=req.arrival,
-                       session_id=str(req.session))  # fmt: skip
+                       session_id=req.key)  # fmt: skip
         if prompt is req.prompt:  # the engine would hash them again on admission
             seq.block_hashes = list(req.block_hashes)
         self.requests[req.request_id] = (req, seq)

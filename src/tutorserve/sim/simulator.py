@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,15 @@ class SimSession:
     turns: list[SimTurn]
     start: float  # when its first turn arrives
     course: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRun:
+    """Sessions one client sends the replicas, and its cap on turns in flight (None: none; a
+    benchmark's warm-up sends a few at a time)."""
+
+    sessions: list[SimSession]
+    max_concurrency: int | None = None
 
 
 @dataclass(slots=True)
@@ -67,12 +78,12 @@ class SimResult:
     def summary(self, slo: SLO) -> dict[str, float]:
         duration = self.duration
         out = summarize(self.records(), duration, slo) if duration > 0 else {"completed": 0}
-        query = sum(r.kv.prefix_query_tokens for r in self.replicas)
-        hits = sum(r.kv.prefix_hit_tokens for r in self.replicas)
+        query = sum(r.prefix_query_tokens for r in self.replicas)
+        hits = sum(r.prefix_hit_tokens for r in self.replicas)
         blocks = sum(r.spec.num_kv_blocks for r in self.replicas)
         out |= {
             "prefix_cache_hit_rate": hits / query if query else math.nan,
-            "preemptions": sum(r.scheduler.num_preemptions for r in self.replicas),
+            "preemptions": sum(r.preemptions for r in self.replicas),
             "mean_kv_occupancy": (sum(r.block_seconds for r in self.replicas) / blocks / duration
                                   if duration else math.nan),
             "peak_kv_occupancy": max(r.peak_used_blocks / r.spec.num_kv_blocks
@@ -112,27 +123,62 @@ class Simulation:
     def _push(self, t: float, kind: str, data: Any) -> None:
         heapq.heappush(self._events, (t, next(self._order), kind, data))
 
-    def run(self, sessions: list[SimSession], last_arrival: float = math.inf) -> SimResult:
-        """Every session to its end, or to the last turn arriving by `last_arrival` seconds."""
+    def run(
+        self,
+        sessions: list[SimSession],
+        last_arrival: float = math.inf,
+        earlier: Sequence[ClientRun] = (),
+    ) -> SimResult:
+        """Every session to its end, or to the last turn arriving by `last_arrival` seconds.
+        `earlier`: what the same replicas served first, one run after another (a benchmark's
+        warm-up and its earlier rates on one server): the routing index and the prefix caches
+        they leave behind carry over, their requests and step counts do not."""
+        start = 0.0
+        for n, before in enumerate(earlier):
+            start = self._serve(before, f"earlier{n}:", start, SimResult([], []))
+        for r in self._everyone:
+            r.start_counting()
         result = SimResult([], self.replicas + self.decode)
+        self._serve(ClientRun(sessions), "", start, result, last_arrival)
+        return result
+
+    def _serve(
+        self,
+        run: ClientRun,
+        tag: str,
+        start: float,
+        result: SimResult,
+        last_arrival: float = math.inf,
+    ) -> float:
+        """`run`'s sessions from `start` to the last event, into `result`; the time it ends.
+        `tag` keeps its sessions apart from other runs' at the router and in the tiers."""
+        sessions, cap = run.sessions, run.max_concurrency
         prompts: dict[int, list[int]] = {}
         # A turn reaches an engine this long after its client sent it (its TTFT counts it).
         overhead = self.replicas[0].cost.request_overhead_s
+        held: deque[tuple[int, int, float]] = deque()  # turns over the client's cap, in order
+        in_flight = 0
         for i, s in enumerate(sessions):
-            self._push(s.start + overhead, "arrive", (i, 0, s.start))
+            self._push(start + s.start + overhead, "arrive", (i, 0, start + s.start))
+        now = start
         while self._events:
             now, _, kind, data = heapq.heappop(self._events)
-            if kind == "arrive" and data[2] > last_arrival:
+            if kind == "arrive" and data[2] - start > last_arrival:
+                continue
+            if kind == "arrive" and cap is not None and in_flight >= cap:
+                held.append(data)  # sent once a turn ends (its times are not scored)
                 continue
             if kind == "arrive":
                 i, k, sent = data
                 turn = sessions[i].turns[k]
                 prompt = prompts.pop(i, []) + turn.tokens
-                req = SimRequest(f"s{i}t{k}", i, k, prompt, turn.max_tokens, sent)
+                req = SimRequest(f"{tag}s{i}t{k}", i, k, prompt, turn.max_tokens, sent,
+                                 key=f"{tag}{i}")  # fmt: skip
                 replica = self._route(req)
                 if replica is None:
                     result.rejected += 1
                     continue
+                in_flight += 1
                 result.requests.append(req)
                 replica.add(req, max_tokens=1 if self.decode else None)
                 if not replica.busy:
@@ -152,13 +198,16 @@ class Simulation:
                         self._push(now + self.transfer_s_per_token * len(req.prompt), "handoff",
                                    req)  # fmt: skip
                         continue
+                    in_flight -= 1
+                    if held:
+                        self._push(now, "arrive", held.popleft())
                     turns = sessions[req.session].turns
                     if req.turn + 1 < len(turns):
                         prompts[req.session] = req.prompt + (req.output or [])
                         sent = now + turns[req.turn + 1].think_time_s
                         self._push(sent + overhead, "arrive", (req.session, req.turn + 1, sent))
                 self._step(replica, now)
-        return result
+        return now
 
     def _step(self, replica: SimReplica, now: float) -> None:
         # Replicas simulated side by side share a host as the calibrated ones did (a factor of
@@ -174,7 +223,7 @@ class Simulation:
             return None
         by_name = {r.name: r for r in self.replicas}
         req.block_hashes = extend_block_hashes([], req.prompt, self.block_size)
-        route = RouteRequest(req.block_hashes, str(req.session))
+        route = RouteRequest(req.block_hashes, req.key)
         groups = self.routing.rank([Candidate(r.name, r.load) for r in self.replicas], route)
         # As Serve does: the least loaded of the first group (every group here has room).
         name = min(groups[0], key=lambda n: by_name[n].load)

@@ -11,12 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tutorserve.bench.compare import cohort_of, warmup_cohort
 from tutorserve.bench.serving_metrics import SLO, RequestRecord
 from tutorserve.bench.step_cost import StepCostModel
 from tutorserve.models.config import ModelConfig
 from tutorserve.models.tokenizer import Tokenizer
 from tutorserve.sim.setup import Deployment, relative_error
-from tutorserve.sim.simulator import SimResult
+from tutorserve.sim.simulator import ClientRun, SimResult, SimSession
 from tutorserve.sim.workload import serving_sessions
 
 log = logging.getLogger(__name__)
@@ -33,21 +34,47 @@ def _measured(summary: dict[str, float]) -> dict[str, float]:
             "preemptions": summary.get("server_preemptions", math.nan)}  # fmt: skip
 
 
+def served_before(path: Path, run: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the measured server served before this run, oldest first, as `bench compare`
+    records it. A run recorded before it did (2026-12-07) gets what `bench compare` sent its
+    server: the warm-up, then the runs of the same system and workload in the same folder
+    with an earlier seed (one seed per rate, in the order of the rates)."""
+    c = run["config"]
+    if "served_before" in c:
+        return c["served_before"]
+    if "system" not in c:  # a `bench serve` run, on a server that says nothing of its past
+        return []
+    earlier = []
+    for other in path.parent.glob("*.json"):
+        o = json.loads(other.read_text()).get("config", {})
+        same = all(o.get(k) == c[k] for k in ("system", "workload")) and "seed" in o
+        if same and o["seed"] < c["seed"]:
+            earlier.append(cohort_of(o))
+    return [warmup_cohort(c), *sorted(earlier, key=lambda e: e["seed"])]
+
+
+def _sessions(tok: Tokenizer, c: dict[str, Any]) -> list[SimSession]:
+    return serving_sessions(tok, c["workload"], c["num_requests"], float(c["request_rate"]),
+                            burstiness=c["burstiness"], arrival=c["arrival"],
+                            seed=c["seed"])  # fmt: skip
+
+
 def _simulate(
-    run: dict[str, Any], cost: StepCostModel, cfg: ModelConfig, tok: Tokenizer
+    path: Path, run: dict[str, Any], cost: StepCostModel, cfg: ModelConfig, tok: Tokenizer
 ) -> tuple[Deployment, SimResult]:
+    """The run replayed on replicas that first served what its server served before it."""
     c = run["config"]
     deployment = Deployment.from_argv(c["argv"], cfg)
-    sessions = serving_sessions(tok, c["workload"], c["num_requests"], float(c["request_rate"]),
-                                burstiness=c["burstiness"], arrival=c["arrival"],
-                                seed=c["seed"])  # fmt: skip
-    return deployment, deployment.simulation(cost, tok.vocab_size).run(sessions)
+    earlier = [ClientRun(_sessions(tok, e), e["max_concurrency"])
+               for e in served_before(path, run)]  # fmt: skip
+    simulation = deployment.simulation(cost, tok.vocab_size)
+    return deployment, simulation.run(_sessions(tok, c), earlier=earlier)
 
 
 def replay(path: Path, cost: StepCostModel, cfg: ModelConfig, tok: Tokenizer) -> dict[str, Any]:
     run = json.loads(path.read_text())
     c = run["config"]
-    deployment, result = _simulate(run, cost, cfg, tok)
+    deployment, result = _simulate(path, run, cost, cfg, tok)
     predicted = result.summary(SLO(c["slo_ttft_ms"], c["slo_tpot_ms"]))
     predicted["prefix_hit"] = predicted["prefix_cache_hit_rate"]
     measured = _measured(run["summary"])
@@ -69,7 +96,7 @@ def _request_pairs(
     out = []
     for path in paths:
         run = json.loads(path.read_text())
-        sim = {(r.session, r.turn): r for r in _simulate(run, cost, cfg, tok)[1].records()}
+        sim = {(r.session, r.turn): r for r in _simulate(path, run, cost, cfg, tok)[1].records()}
         for raw in run["records"]:
             real = RequestRecord(**raw)
             twin = sim.get((real.session, real.turn))
