@@ -245,7 +245,7 @@ class _Refused(Proposer):
         return [7] * k
 
 
-def test_blocks_spilled_to_the_kv_tiers_hold_no_rejected_draft(synth_llama, tmp_path):
+def test_blocks_spilled_to_the_kv_tiers_hold_no_rejected_draft(synth_llama):
     """A turn decoded under refused drafts, its blocks pushed out of the pool into the RAM
     tier, then restored from there for the next turn: that turn equals a plain engine's, which
     it would not if a rejected draft's K/V had been spilled."""

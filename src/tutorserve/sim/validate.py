@@ -3,6 +3,7 @@ workload, seed, rate, SLOs and the server's own command line) in the simulator."
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -45,12 +46,18 @@ def served_before(path: Path, run: dict[str, Any]) -> list[dict[str, Any]]:
     if "system" not in c:  # a `bench serve` run, on a server that says nothing of its past
         return []
     earlier = []
-    for other in path.parent.glob("*.json"):
-        o = json.loads(other.read_text()).get("config", {})
+    for o in _configs_in(str(path.parent)):
         same = all(o.get(k) == c[k] for k in ("system", "workload")) and "seed" in o
         if same and o["seed"] < c["seed"]:
             earlier.append(cohort_of(o))
     return [warmup_cohort(c), *sorted(earlier, key=lambda e: e["seed"])]
+
+
+@functools.cache
+def _configs_in(folder: str) -> list[dict[str, Any]]:
+    """The configs of the runs in `folder`, read once: validating or fitting on a folder's runs
+    asks for them per run and per fitting round."""
+    return [json.loads(f.read_text()).get("config", {}) for f in Path(folder).glob("*.json")]
 
 
 def _sessions(tok: Tokenizer, c: dict[str, Any]) -> list[SimSession]:
