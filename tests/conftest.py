@@ -13,6 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tutorserve.kernels import isa
+from tutorserve.kernels.build import BF16_DOT_LEVELS
 from tutorserve.layers.attention.cpu_kernel import CPUKernelBackend
 from tutorserve.layers.attention.gather import GatherBackend
 from tutorserve.models.synth import SynthSpec, synth_model
@@ -35,6 +36,13 @@ def _kernel_level(level):
 def cpu_isa(request):
     """Each ISA level of the CPU kernels, active during the test. A level this CPU cannot run
     is skipped with the reason; one it can run must build (the Makefile installs a compiler)."""
+    yield from _kernel_level(request.param)
+
+
+@pytest.fixture(params=sorted(BF16_DOT_LEVELS))
+def bf16_dot_isa(request):
+    """The ISA levels with the bf16 dot-product path (the one that reads keys paired by dims),
+    active during the test; skipped with the reason where the CPU cannot run them."""
     yield from _kernel_level(request.param)
 
 

@@ -18,7 +18,7 @@ int rotary_embedding(const int64_t *, void *, void *, int64_t, int64_t, int64_t,
                      int64_t, int64_t, int64_t, const void *, const void *, int64_t, int, int,
                      int);
 int write_kv(const void *, const void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-             const int64_t *, void *, void *, int64_t, int, int, int);
+             const int64_t *, void *, void *, int64_t, int64_t, int, int, int);
 static uint32_t s = 12345;
 static float rnd(void) { s = s * 1664525u + 1013904223u; return ((s >> 8) / 16777216.f) * 4.f - 2.f; }
 static uint16_t bf(float x) { uint32_t u; memcpy(&u, &x, 4); return (uint16_t)(u >> 16); }
@@ -81,7 +81,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 16 * 64; i++) { cs[i] = rnd(); sn[i] = rnd(); }
     int64_t pos[8] = {7, 0, 15, 3, 3, 9, 1, 12}, slots[8] = {31, 0, 5, 17, 2, 30, 8, 16};
     rotary_embedding(pos, x, x + 6 * 64, 8, 6, 3, 64, 576, 64, 576, 64, cs, sn, 16, 0, 0, 1);
-    write_kv(x + 6 * 64, o + 6 * 64, 8, 3, 64, 576, 576, 64, slots, kc, vc, 32, 0, 0, 1);
+    write_kv(x + 6 * 64, o + 6 * 64, 8, 3, 64, 576, 576, 64, slots, kc, vc, 32, 16, 0, 0, 1);
     fwrite(x, sizeof x, 1, f); fwrite(kc, sizeof kc, 1, f); fwrite(vc, sizeof vc, 1, f);
     /* 16 rows of 512 in each format with a repacked layout, repacked: matmul on 3 activation
      * rows, dequantized. */

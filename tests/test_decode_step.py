@@ -11,6 +11,7 @@ import pytest
 
 from tutorserve import LLM, SamplingParams
 from tutorserve.kernels import decode_step as kernel
+from tutorserve.layers.attention import selector
 from tutorserve.lora.synth import synth_lora
 from tutorserve.models.loader import load_model_config
 from tutorserve.models.synth import SynthSpec, synth_model
@@ -35,6 +36,13 @@ def llama32(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen2_32(tmp_path_factory):
     return synth(tmp_path_factory, "qwen2")  # a bias on q, k and v
+
+
+@pytest.fixture(scope="module")
+def llama64(tmp_path_factory):
+    """Head size 64 and a GQA group of 3, as SmolLM2's."""
+    spec = SynthSpec(arch="llama", hidden=192, heads=3, kv_heads=1, intermediate=192, seed=7)
+    return str(synth_model(tmp_path_factory.mktemp("llama64"), spec))
 
 
 @pytest.fixture
@@ -160,3 +168,25 @@ def test_steps_with_adapter_tokens_run_layer_by_layer(llama32, tmp_path, fused_c
     fused, layered = both_ways(make, lora=[None, None, None])
     assert_same(fused, layered)
     assert decode_calls(fused_calls) == [(3, 0, 0)] * (GREEDY.max_tokens - 1)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_keys_paired_by_dims_decode_as_rows_do(
+    bf16_dot_isa, llama64, fused_calls, monkeypatch, quantization
+):
+    """A bf16 model of head size 64 keeps its cache's keys paired by dims where the bf16 dot
+    product reads them: the same logprobs bit for bit as with rows, layer by layer and (int4)
+    in the C loop, rows sharing a course prompt included. The prefill of over 256 tokens runs
+    layer by layer, the decode steps after it in C: both must pair alike."""
+    a = list(range(3, 60))  # 3 full blocks, in the prefix cache after the first request
+    prompts = [[*a, 70], list(range(300, 330)), [*a, 90], list(range(100, 400))]
+    outs = []
+    for paired in (True, False):
+        monkeypatch.setattr(selector.kernel, "pairs_keys", lambda *_, p=paired: p)
+        llm = LLM(llama64, dtype="bfloat16", quantization=quantization)
+        assert llm.engine.runner.backend.paired_keys is paired
+        llm.generate([[*a, 60]], GREEDY)
+        outs.append(llm.generate(prompts, GREEDY))
+        llm.engine.kv.pool.check_integrity()
+    assert_same(*outs)
+    assert any(groups for _, groups, _ in fused_calls) is (quantization == "int4"), fused_calls

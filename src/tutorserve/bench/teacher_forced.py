@@ -27,7 +27,7 @@ def forward_logits(model: nn.Module, ids: list[int], chunk: int | None = None) -
     saved = [(a.k_cache, a.v_cache) for a in layers]
     for a in layers:
         a.k_cache, a.v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-    backend = select_backend(torch.device("cpu"), dtype, dtype, cfg.head_dim)
+    backend = select_backend(torch.device("cpu"), dtype, dtype, cfg.head_dim, BLOCK)
     table, step, out = list(range(blocks)), chunk or len(ids), []
     try:
         for start in range(0, len(ids), step):

@@ -164,7 +164,9 @@ class LLMEngine:
             ram_bytes=cfg.kv_ram_bytes,
             disk_bytes=cfg.kv_disk_bytes,
             disk_dir=cfg.kv_disk_dir,
-            fingerprint=model_fingerprint(self.model, self.kv_dtype, cfg.block_size),
+            fingerprint=model_fingerprint(
+                self.model, self.kv_dtype, cfg.block_size, self.runner.backend.kv_layout
+            ),
             session_ttl=cfg.session_ttl,
             session_write_through=cfg.session_write_through,
         )

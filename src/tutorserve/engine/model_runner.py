@@ -66,7 +66,9 @@ class ModelRunner:
         # which rounds otherwise than the row's keys in one pass: under batch invariance a row
         # reads its whole context itself.
         self.share_prefixes = config.enable_prefix_caching and not config.batch_invariant
-        self.backend = select_backend(device, dtype, kv_dtype, model.config.head_dim)
+        self.backend = select_backend(
+            device, dtype, kv_dtype, model.config.head_dim, config.block_size
+        )
         self.workspace: dict[str, torch.Tensor] = {}
         self.last_forward_s = 0.0
         self.num_lora_slots = 0  # set when LoRA is enabled

@@ -44,6 +44,8 @@ LEVEL_FLAGS = {
     "avx512": _AVX512,
     "avx512bf16": [*_AVX512, "-mavx512bf16", "-DTS_BF16DOT", "-mavx512vnni", "-DTS_VNNI"],
 }
+# Levels with the bf16 dot-product path (attention over a KV_BF16_PAIRED cache: kv_format.h).
+BF16_DOT_LEVELS = frozenset(level for level, f in LEVEL_FLAGS.items() if "-DTS_BF16DOT" in f)
 
 _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -57,7 +59,7 @@ _SIGNATURES = {
     "quant_repack16": [_ptr, _i32, _i64, _i64, _ptr],
     "apply_token_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     "rotary_embedding": [_ptr] * 3 + [_i64] * 8 + [_ptr, _ptr, _i64, _i32, _i32, _i32],
-    "write_kv": [_ptr, _ptr] + [_i64] * 6 + [_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32],
+    "write_kv": [_ptr, _ptr] + [_i64] * 6 + [_ptr, _ptr, _ptr, _i64, _i64, _i32, _i32, _i32],
     "decode_layers": [_ptr, _i64]
     + [_ptr] * 3
     + [_i64, _ptr, _ptr, _i64, _ptr, _i64]

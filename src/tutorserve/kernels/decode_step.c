@@ -29,12 +29,12 @@ int rotary_embedding(const int64_t *positions, void *q, void *k, int64_t tokens,
                      int is_bf16, int num_threads);
 int write_kv(const void *k, const void *v, int64_t tokens, int64_t kv_heads, int64_t head_dim,
              int64_t k_token_stride, int64_t v_token_stride, int64_t head_stride,
-             const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, int src_bf16,
-             int cache_bf16, int num_threads);
+             const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots,
+             int64_t block_size, int src_bf16, int cache_format, int num_threads);
 int paged_attention(const void *q, const void *k, const void *v, const int64_t *tables,
                     const int64_t *lens, const int64_t *causal, int64_t sets, int64_t kv_heads,
                     int64_t nq, int64_t group, int64_t dim, int64_t num_blocks,
-                    int64_t block_size, int64_t width, float scale, int q_bf16, int kv_bf16,
+                    int64_t block_size, int64_t width, float scale, int q_bf16, int kv_format,
                     float *out, float *lse, int num_threads);
 
 enum { MAX_PARTS = 4 };
@@ -58,7 +58,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
     int64_t max_positions, parallel_work;
     float eps, scale;
-    int32_t is_bf16, cache_bf16, table_bf16;
+    int32_t is_bf16, cache_format, table_bf16; /* cache_format: kv_format.h */
     const void *cos, *sin; /* [max_positions, head_dim] rotary tables */
 } Shape;
 
@@ -129,7 +129,7 @@ static int cascade(const Shared *sh, const Shape *s, const Layer *L, const char 
                        (size_t)(g * D * size));
     const int status = paged_attention(qp, L->k_cache, L->v_cache, sh->tables, sh->lens, NULL,
                                        sh->groups, kvh, nq, 1, D, s->num_blocks, s->block_size,
-                                       sh->width, s->scale, s->is_bf16, s->cache_bf16, op, lsep,
+                                       sh->width, s->scale, s->is_bf16, s->cache_format, op, lsep,
                                        num_threads);
     if (status) return status;
     for (int64_t i = 0; i < sh->grouped; i++) {
@@ -160,7 +160,7 @@ static int span_attention(const Span *sp, const Shape *s, const Layer *L, const 
     const int status = paged_attention(qs, L->k_cache, L->v_cache, sp->table, sp->kv_len,
                                        sp->q_start, 1, kvh, n * g, g, D, s->num_blocks,
                                        s->block_size, sp->width, s->scale, s->is_bf16,
-                                       s->cache_bf16, os, ls, num_threads);
+                                       s->cache_format, os, ls, num_threads);
     for (int64_t t = 0; t < n && !status; t++)
         for (int64_t h = 0; h < kvh; h++)
             memcpy(attn + ((sp->start + t) * s->heads + h * g) * D, os + (h * n + t) * g * D,
@@ -231,7 +231,7 @@ int decode_layers(const Layer *layers, int64_t num_layers, const Shape *s, void 
                                                   num_threads));
         if (!status)
             status = write_kv(kr, vr, rows, s->kv_heads, D, qkv_n, qkv_n, D, slots, L->k_cache,
-                              L->v_cache, num_slots, bf, s->cache_bf16,
+                              L->v_cache, num_slots, s->block_size, bf, s->cache_format,
                               threads_for(s, 2 * rows * kv_size, num_threads));
         if (status) break;
         for (int64_t r = 0; r < rows; r++)
@@ -239,7 +239,7 @@ int decode_layers(const Layer *layers, int64_t num_layers, const Shape *s, void 
         if (decode_rows)
             status = paged_attention(q, L->k_cache, L->v_cache, tables, lens, NULL, decode_rows,
                                      s->kv_heads, group, 1, D, s->num_blocks, s->block_size,
-                                     width, s->scale, bf, s->cache_bf16, attn, lse, num_threads);
+                                     width, s->scale, bf, s->cache_format, attn, lse, num_threads);
         if (!status && shared)
             status = cascade(shared, s, L, q, attn, lse, qp, op, lsep, num_threads);
         for (int64_t i = 0; i < num_spans && !status; i++)

@@ -13,20 +13,24 @@
  *
  * Layouts (all contiguous):
  *   q       [sets, kv_heads, nq, dim] float32 or bfloat16 (`q_bf16`)
- *   k, v    [kv_heads, num_blocks, block_size, dim] float32 or bfloat16 (`kv_bf16`): the cache
- *           may be stored in bf16 while the model computes in float32 (half the bytes read)
+ *   k, v    [kv_heads, num_blocks, block_size, dim] in `kv_format` (kv_format.h): float32 or
+ *           bfloat16, whose cache may be stored in bf16 while the model computes in float32 (half
+ *           the bytes read); or bfloat16 with each block's K paired by dims (KV_BF16_PAIRED),
+ *           which only the bf16 path below reads
  *   tables  [sets, width] int64: the blocks of each set, in order
  *   lens    [sets] int64: keys of each set (its blocks hold them from the first slot on)
  *   causal  [sets] int64 or NULL: for a prefill chunk, the position of its first token; query
  *           i then sees keys up to position causal + i / group (NULL: every query sees all)
  *   out     [sets, kv_heads, nq, dim] float32
  *   lse     [sets, kv_heads, nq] float32 (-inf for a set with no keys)
- * Returns 0; -1 for a head size it does not take; -2 when the parts' buffer cannot be allocated.
- * Every level (simd.h) runs the float32 path, which widens K/V on load. The AVX512-BF16 build
- * takes q and K/V both in bf16 at head sizes 64 and 128 through the bf16 dot-product path.
+ * Returns 0; -1 for a head size or format it does not take; -2 when the parts' buffer cannot be
+ * allocated. Every level (simd.h) runs the float32 path, which widens K/V on load. The
+ * AVX512-BF16 build takes q and K/V both in bf16 at head sizes 64 and 128 through the bf16
+ * dot-product path.
  */
 #include <stdlib.h>
 
+#include "kv_format.h"
 #include "simd.h"
 
 enum { TILE = 16, QCHUNK = 32, MAX_DIM = 256, PREFETCH = 32, PART = 256 };
@@ -36,7 +40,7 @@ typedef struct {
     const int64_t *tables, *lens, *causal;
     int64_t kv_heads, nq, group, dim, num_blocks, block_size, width;
     float scale;
-    int q_bf16, kv_bf16;
+    int q_bf16, kv_bf16, paired;
 } Args;
 
 /* Keys query i of a set may see: all of them, or with `causal`, those up to its own position
@@ -76,7 +80,8 @@ static inline int64_t part_end(const Args *a, const Part *w) {
 
 /* Asks for the rows of the tile `PREFETCH` keys ahead, so that the next blocks, wherever the
  * table put them, are in cache when their turn comes (the hardware prefetcher cannot follow a
- * jump from one block to another). */
+ * jump from one block to another). Paired keys of a block larger than a tile lie elsewhere in it
+ * than its rows would: every line of the block is still asked for, over its tiles. */
 static inline void prefetch_tile(const Args *a, const Part *w, int64_t t0, int64_t len,
                                  const void *k, const void *v, int64_t elem) {
     if (t0 + PREFETCH >= len) return;
@@ -214,7 +219,8 @@ static inline void transpose_keys(const uint16_t *k, const int64_t at[TILE], int
     }
 }
 
-/* Queries i0 .. i0 + QN - 1 (QN ≤ QB) of head size D against the tile in kp / vp: scores, the
+/* Queries i0 .. i0 + QN - 1 (QN ≤ QB) of head size D against the tile in kp (dim pair c's words
+ * at kp + c ks) / vp: scores, the
  * online softmax's update, values. Expanded for each QN, so that a GQA group of 3 or 7 queries
  * fills no slot with a repeat of the last. */
 #define QUERY_BLOCK(QN, D)                                                                     \
@@ -222,8 +228,8 @@ static inline void transpose_keys(const uint16_t *k, const int64_t at[TILE], int
         __m512 s[QN][2];                                                                       \
         for (int u = 0; u < QN; u++) s[u][0] = s[u][1] = _mm512_setzero_ps();                  \
         for (int64_t c = 0; c < W; c += 2) {                                                   \
-            const __m512bh k0 = (__m512bh)_mm512_load_si512(kp + c * TILE);                    \
-            const __m512bh k1 = (__m512bh)_mm512_load_si512(kp + (c + 1) * TILE);              \
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + c * ks);                     \
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + (c + 1) * ks);               \
             for (int u = 0; u < QN; u++) {                                                     \
                 const uint32_t *qw = (const uint32_t *)(q + (i0 + u) * D);                     \
                 s[u][0] = _mm512_dpbf16_ps(s[u][0], k0, bcast(qw[c]));                         \
@@ -271,7 +277,7 @@ static void attend_bf16_##D(const Args *a, const Part *w) {                     
     const int64_t set = w->set, head = w->head, q0 = w->q0, nq = w->nq, len = part_end(a, w);  \
     const uint16_t *q = (const uint16_t *)a->q + ((set * a->kv_heads + head) * a->nq + q0) * D;\
     const uint16_t *kc = (const uint16_t *)a->k, *vc = (const uint16_t *)a->v;                  \
-    uint32_t kp[W * TILE] __attribute__((aligned(64)));                                        \
+    uint32_t kt[W * TILE] __attribute__((aligned(64)));                                        \
     __m512i vp[TILE / 2 * Z];                                                                  \
     float acc[QCHUNK * D] __attribute__((aligned(64)));                                        \
     float peak[QCHUNK], total[QCHUNK];                                                         \
@@ -287,7 +293,11 @@ static void attend_bf16_##D(const Args *a, const Part *w) {                     
         int64_t at[TILE];                                                                      \
         tile_offsets(a, w, t0, n, at);                                                         \
         prefetch_tile(a, w, t0, len, kc, vc, 2);                                               \
-        transpose_keys(kc, at, D, kp);                                                         \
+        /* paired keys are read where they lie (the tile within one block, its lanes past n   \
+         * masked); rows are transposed into kt */                                             \
+        const int64_t o = t0 % a->block_size, ks = a->paired ? a->block_size : TILE;          \
+        const uint32_t *kp = a->paired ? (const uint32_t *)(kc + at[0] - o * D) + o : kt;     \
+        if (!a->paired) transpose_keys(kc, at, D, kt);                                         \
         const uint16_t *vrow[TILE];                                                            \
         for (int64_t j = 0; j < TILE; j++) vrow[j] = vc + at[j];                               \
         for (int64_t m = 0; m < TILE / 2; m++)                                                 \
@@ -344,16 +354,20 @@ static void merge_parts(const float *part_out, const float *part_lse, int64_t pa
 int paged_attention(const void *q, const void *k, const void *v, const int64_t *tables,
                     const int64_t *lens, const int64_t *causal, int64_t sets, int64_t kv_heads,
                     int64_t nq, int64_t group, int64_t dim, int64_t num_blocks,
-                    int64_t block_size, int64_t width, float scale, int q_bf16, int kv_bf16,
+                    int64_t block_size, int64_t width, float scale, int q_bf16, int kv_format,
                     float *out, float *lse, int num_threads) {
     if (dim % 16 || dim > MAX_DIM) return -1;
-    const Args a = {q,  k,   v,          tables,     lens,  causal, kv_heads, nq,
-                    group, dim, num_blocks, block_size, width, scale,  q_bf16,   kv_bf16};
+    const Args a = {q,     k,   v,          tables,     lens,  causal, kv_heads, nq,
+                    group, dim, num_blocks, block_size, width, scale,  q_bf16,   kv_format != KV_F32,
+                    kv_format == KV_BF16_PAIRED};
     void (*attend)(const Args *, const Part *) =
         dim == 64 ? attend_f32_64 : dim == 128 ? attend_f32_128 : attend_f32_any;
 #if defined(TS_BF16DOT)
-    if (q_bf16 && kv_bf16 && dim == 64) attend = attend_bf16_64;
-    if (q_bf16 && kv_bf16 && dim == 128) attend = attend_bf16_128;
+    if (q_bf16 && a.kv_bf16 && dim == 64) attend = attend_bf16_64;
+    if (q_bf16 && a.kv_bf16 && dim == 128) attend = attend_bf16_128;
+    if (a.paired && !(q_bf16 && (dim == 64 || dim == 128) && block_size % TILE == 0)) return -1;
+#else
+    if (a.paired) return -1;
 #endif
     const int64_t chunks = (nq + QCHUNK - 1) / QCHUNK, items = sets * kv_heads * chunks;
     int64_t longest = 0;

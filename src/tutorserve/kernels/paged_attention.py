@@ -5,8 +5,10 @@ PyTorch has no CPU op that attends over blocks scattered through a paged cache, 
 torch path copies each decode row's blocks into a contiguous tensor first: their K/V bytes are
 read, written and read again. The kernel reads them once, in place, at the ISA level `isa`
 chose (with the CPU's bfloat16 dot-product instructions where it has them). The cache may be
-stored in bfloat16 while queries are float32: the kernel widens K/V as it reads them. Without a
-compiler, `supports()` is False and attention gathers blocks instead (as it always does on GPUs).
+stored in bfloat16 while queries are float32: the kernel widens K/V as it reads them. A bf16
+cache read by the bf16 dot-product path stores its keys paired by dims (`pairs_keys`,
+`kv_format.h`), as that path reads them. Without a compiler, `supports()` is False and attention
+gathers blocks instead (as it always does on GPUs).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from tutorserve.kernels import isa
-from tutorserve.kernels.build import DTYPES, threads_for, traced
+from tutorserve.kernels.build import BF16_DOT_LEVELS, DTYPES, threads_for, traced
 
 MAX_HEAD_DIM = 256
+KV_BF16_PAIRED = 2  # the cache format beyond DTYPES' two (kv_format.h)
 
 
 def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -30,6 +33,25 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     )
 
 
+def pairs_keys(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether a model in `dtype` stores its `kv_dtype` cache of this head and block size with
+    keys paired by dims: where attention takes the bf16 dot-product path, which then loads a tile
+    of keys as it lies instead of transposing it (`kv_format.h`)."""
+    kernels = isa.active()
+    return (
+        kernels is not None
+        and kernels.level in BF16_DOT_LEVELS
+        and dtype == kv_dtype == torch.bfloat16
+        and head_dim in (64, 128)
+        and block_size % 16 == 0
+    )
+
+
+def cache_format(cache: torch.Tensor, paired_keys: bool) -> int:
+    """The `cache_format` the kernels take for a cache of this dtype and layout."""
+    return KV_BF16_PAIRED if paired_keys else DTYPES[cache.dtype]
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -39,13 +61,15 @@ def paged_attention(
     scale: float,
     causal: torch.Tensor | None = None,
     group: int = 1,
+    paired_keys: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [sets, kv_heads, nq, dim], float32 or bfloat16; caches: [kv_heads, blocks,
     block_size, dim], float32 or bfloat16; tables: [sets, width] int64 (each set's blocks,
     padded); lens: [sets] int64 keys per set → float32 outputs [sets, kv_heads, nq, dim] and
     log-sum-exp [sets, kv_heads, nq]. Every query sees all its set's keys, or with `causal`
     ([sets] int64, the position of the set's first query token) those up to its own position,
-    the nq queries being tokens × `group` query heads."""
+    the nq queries being tokens × `group` query heads. `paired_keys`: the cache's keys are
+    paired by dims (`pairs_keys`)."""
     kernels = isa.active()
     if kernels is None:
         raise RuntimeError("the CPU attention kernel is not available")
@@ -66,12 +90,14 @@ def paged_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), None if causal is None else causal.data_ptr(), sets, kvh, nq,
             group, dim, num_blocks, block_size, tables.shape[1], scale, DTYPES[q.dtype],
-            DTYPES[k_cache.dtype], out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+            cache_format(k_cache, paired_keys), out.data_ptr(), lse.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
     if status == -2:
         raise MemoryError("paged_attention cannot allocate its parts' buffer")
     if status != 0:
-        raise ValueError(f"paged_attention cannot run head size {dim}")
+        what = " with keys paired by dims" if paired_keys else ""
+        raise ValueError(f"paged_attention cannot run head size {dim}{what} here")
     return out, lse
 
 
@@ -95,10 +121,11 @@ def write_kv(
     slots: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    paired_keys: bool = False,
 ) -> None:
     """Writes k, v ([tokens, kv_heads, dim]) at `slots` ([tokens] int64, block * block_size +
     offset) of one layer's caches ([kv_heads, blocks, block_size, dim], converting to their
-    dtype)."""
+    dtype; with `paired_keys`, a bf16 cache's keys paired by dims within each block)."""
     kernels = isa.active()
     if kernels is None:
         raise RuntimeError("the CPU KV write kernel is not available")
@@ -106,14 +133,16 @@ def write_kv(
         raise ValueError("write_kv needs int64 slots and K and V caches of one dtype")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("write_kv needs contiguous caches")
+    if paired_keys and k_cache.dtype != torch.bfloat16:
+        raise ValueError("write_kv pairs the keys of bfloat16 caches only")
     slots = slots.contiguous()
     tokens, kvh, dim = k.shape
     with traced("tutorserve::write_kv"):
         status = kernels.lib.write_kv(
             k.data_ptr(), v.data_ptr(), tokens, kvh, dim, k.stride(0), v.stride(0), k.stride(1),
             slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            k_cache.numel() // (kvh * dim), DTYPES[k.dtype], DTYPES[k_cache.dtype],
-            threads_for(2 * k.numel()),
+            k_cache.numel() // (kvh * dim), k_cache.shape[2], DTYPES[k.dtype],
+            cache_format(k_cache, paired_keys), threads_for(2 * k.numel()),
         )  # fmt: skip
     if status != 0:
         raise ValueError("write_kv: a slot is outside the cache")

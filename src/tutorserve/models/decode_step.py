@@ -31,11 +31,11 @@ from tutorserve.quant import QuantLinear
 
 class FusedDecode:
     """Built once per model; the layers are described to C at the first step it takes (once
-    the KV cache is bound), and again when the cache or the model's dtype changes."""
+    the KV cache is bound), and again when the cache, its layout or the model's dtype changes."""
 
     def __init__(self, layers: nn.ModuleList) -> None:
         self.layers = layers
-        self._key: tuple[torch.Tensor, torch.dtype] | None = None
+        self._key: tuple[torch.Tensor, torch.dtype, bool] | None = None
         self._described: _Described | None = None
 
     def __call__(
@@ -46,9 +46,9 @@ class FusedDecode:
         ctx = current_context()
         if ctx is None or ctx.lora is not None or not isinstance(ctx.backend, CPUKernelBackend):
             return None
-        key = (self.layers[0].self_attn.attn.k_cache, x.dtype)
-        if self._key is None or self._key[0] is not key[0] or self._key[1] != key[1]:
-            self._key, self._described = key, _describe(self.layers, x.dtype)
+        key = (self.layers[0].self_attn.attn.k_cache, x.dtype, ctx.backend.paired_keys)
+        if self._key is None or self._key[0] is not key[0] or self._key[1:] != key[1:]:
+            self._key, self._described = key, _describe(self.layers, x.dtype, key[2])
         described = self._described
         if described is None or x.shape[0] > described.max_rows:
             return None
@@ -95,7 +95,7 @@ def _quantized(proj: nn.Module) -> QuantLinear | None:
     return base if isinstance(base, QuantLinear) else None
 
 
-def _describe(layers: nn.ModuleList, dtype: torch.dtype) -> _Described | None:
+def _describe(layers: nn.ModuleList, dtype: torch.dtype, paired_keys: bool) -> _Described | None:
     """The layers as the C loop takes them, or None when a piece has no kernel here."""
     first = layers[0]
     attn, rotary = first.self_attn.attn, first.self_attn.rotary
@@ -133,6 +133,6 @@ def _describe(layers: nn.ModuleList, dtype: torch.dtype) -> _Described | None:
     shape = kernel.decoder_shape(
         hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim, intermediate=inter, eps=first.input_layernorm.eps, dtype=dtype,
-        k_cache=attn.k_cache, cos=rotary.cos, sin=rotary.sin,
+        k_cache=attn.k_cache, paired_keys=paired_keys, cos=rotary.cos, sin=rotary.sin,
     )  # fmt: skip
     return _Described((kernel.Layer * len(described))(*described), shape, min(max_rows), tensors)

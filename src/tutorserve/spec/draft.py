@@ -76,7 +76,9 @@ class DraftProposer(Proposer):
         self.k_cache, self.v_cache = model.allocate_kv_cache(
             num_blocks, block_size, kv_dtype, self.device
         )
-        self.backend = select_backend(self.device, self.dtype, kv_dtype, model.config.head_dim)
+        self.backend = select_backend(
+            self.device, self.dtype, kv_dtype, model.config.head_dim, block_size
+        )
         self.pool = BlockPool(num_blocks)
         self.requests: dict[str, _DraftKV] = {}
         self.cached_tokens = 0  # prompt tokens found in the cache, not computed again

@@ -36,12 +36,13 @@ _MAX_WRITE_BACKLOG = 512 << 20
 _MAX_DISK_READS_PER_REQUEST = 2  # then compute: bounds a request's wait under RAM thrashing
 
 
-def model_fingerprint(model: nn.Module, dtype: torch.dtype, block_size: int) -> bytes:
-    """Identifies the KV a model produces: its config, the cache dtype and block size, and a
-    sample of every weight (names, shapes and strided values), so two checkpoints of one
-    architecture never share stored blocks. Cheap enough to run at every start."""
+def model_fingerprint(model: nn.Module, dtype: torch.dtype, block_size: int, layout: str) -> bytes:
+    """Identifies the KV a model produces: its config, the cache dtype, block size and layout
+    (the attention backend's `kv_layout`), and a sample of every weight (names, shapes and
+    strided values), so two checkpoints of one architecture never share stored blocks. Cheap
+    enough to run at every start."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr((getattr(model, "config", None), str(dtype), block_size)).encode())
+    h.update(repr((getattr(model, "config", None), str(dtype), block_size, layout)).encode())
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             flat = p.detach().reshape(-1)

@@ -1,8 +1,9 @@
 """The interface every attention backend implements, and the step skeleton they share.
 
-A backend is chosen once, by the model runner (`selector.select_backend`). Each step it turns
-the runner's `AttentionBatch` into its own metadata (`build`, once for all layers); each layer
-then hands it the step's queries (`forward`) after writing the new K/V into its cache. The
+A backend is chosen once, by the model runner (`selector.select_backend`), and owns how the
+layers' caches hold K and V (`kv_layout`): it writes each step's new K/V into them (`write`) and
+reads them. Each step it turns the runner's `AttentionBatch` into its own metadata (`build`,
+once for all layers); each layer then hands it the step's queries (`forward`). The
 skeleton is the same for every backend: decode rows first (each over its own suffix blocks,
 plus, for rows that share a course prompt, that prefix once per group, merged by log-sum-exp:
 cascade attention), then each prefill chunk over its context. Backends differ in how they read
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tutorserve.kernels import paged_attention as kernel
 from tutorserve.layers.attention.metadata import (
     AttentionBatch,
     AttentionMetadata,
@@ -40,6 +42,21 @@ class AttentionLayer(Protocol):
 
 class AttentionBackend(ABC):
     name: str
+    # How K and V lie in a block; stored KV (the disk tier's) is kept per layout.
+    kv_layout = "rows"
+
+    def write(
+        self, layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """New tokens' k, v [T, kv_heads, dim] into the layer's caches at `slots` [T], in the
+        caches' dtype (which may be narrower than the model's)."""
+        k_cache, v_cache = layer.k_cache, layer.v_cache
+        if kernel.supports_write(k, v, k_cache):
+            kernel.write_kv(k, v, slots, k_cache, v_cache)
+            return
+        kvh, dim = layer.num_kv_heads, layer.head_dim
+        k_cache.view(kvh, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.view(kvh, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
 
     @abstractmethod
     def build(self, batch: AttentionBatch) -> AttentionMetadata:

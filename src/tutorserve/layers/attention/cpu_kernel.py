@@ -3,7 +3,9 @@
 Decode rows, shared course prompts and prefill chunks all become sets of blocks with a key
 count; the kernel attends over each set where its blocks lie (no gathered copies) and returns
 float32 outputs with their log-sum-exp, so cascade attention merges them. Query heads of a KV
-group fold into the query axis, so GQA reads each K/V block once per group.
+group fold into the query axis, so GQA reads each K/V block once per group. Where the kernel
+takes its bf16 dot-product path, the backend keeps each block's keys paired by dims, the order
+that path reads them in (`kernels/kv_format.h`).
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tutorserve.kernels import isa
-from tutorserve.kernels.paged_attention import paged_attention
+from tutorserve.kernels import isa, paged_attention
 from tutorserve.layers.attention.backend import AttentionBackend, AttentionLayer
 from tutorserve.layers.attention.metadata import (
     AttentionBatch,
@@ -36,9 +37,21 @@ class KernelPrefill:
 class CPUKernelBackend(AttentionBackend):
     name = "cpu-kernel"
 
+    def __init__(self, paired_keys: bool = False) -> None:
+        self.paired_keys = paired_keys
+        self.kv_layout = "keys paired by dims" if paired_keys else "rows"
+
     def __str__(self) -> str:
         kernels = isa.active()
-        return f"reads blocks in place ({kernels.level if kernels else 'no'} kernels)"
+        level = kernels.level if kernels else "no"
+        return f"reads blocks in place ({level} kernels; {self.kv_layout})"
+
+    def write(
+        self, layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        if not paged_attention.supports_write(k, v, layer.k_cache):
+            k, v = k.contiguous(), v.contiguous()  # views the kernel cannot stride through
+        paged_attention.write_kv(k, v, slots, layer.k_cache, layer.v_cache, self.paired_keys)
 
     def build(self, batch: AttentionBatch) -> AttentionMetadata[KernelPrefill]:
         dev = batch.device
@@ -59,9 +72,9 @@ class CPUKernelBackend(AttentionBackend):
         self, layer: AttentionLayer, q: torch.Tensor, bucket: DecodeBucket, workspace: dict
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, kvh, dim = q.shape[0], layer.num_kv_heads, layer.head_dim
-        o, lse = paged_attention(
+        o, lse = paged_attention.paged_attention(
             q.view(rows, kvh, layer.group, dim), layer.k_cache, layer.v_cache, bucket.tables,
-            bucket.lens, layer.scale,
+            bucket.lens, layer.scale, paired_keys=self.paired_keys,
         )  # fmt: skip
         return o.view(rows, layer.num_heads, dim), lse.view(rows, layer.num_heads, 1)
 
@@ -70,7 +83,10 @@ class CPUKernelBackend(AttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ng, members, kvh, g, dim = qp.shape
         q = qp.transpose(1, 2).reshape(ng, kvh, members * g, dim)
-        o, lse = paged_attention(q, layer.k_cache, layer.v_cache, sp.tables, sp.lens, layer.scale)
+        o, lse = paged_attention.paged_attention(
+            q, layer.k_cache, layer.v_cache, sp.tables, sp.lens, layer.scale,
+            paired_keys=self.paired_keys,
+        )  # fmt: skip
         return (
             o.view(ng, kvh, members, g, dim).transpose(1, 2),
             lse.view(ng, kvh, members, g, 1).transpose(1, 2),
@@ -82,8 +98,8 @@ class CPUKernelBackend(AttentionBackend):
     ) -> torch.Tensor:  # fmt: skip
         n, kvh, g, dim = q.shape[0], layer.num_kv_heads, layer.group, layer.head_dim
         qs = q.view(n, kvh, g, dim).transpose(0, 1).reshape(1, kvh, n * g, dim)
-        o, _ = paged_attention(
+        o, _ = paged_attention.paged_attention(
             qs, layer.k_cache, layer.v_cache, chunk.table[None], chunk.kv_len, layer.scale,
-            chunk.q_start, g,
+            chunk.q_start, g, self.paired_keys,
         )  # fmt: skip
         return o.view(kvh, n, g, dim).transpose(0, 1).reshape(n, layer.num_heads, dim).to(q.dtype)

@@ -1,9 +1,9 @@
 """The attention layer of a decoder over the paged KV cache.
 
 Per layer, K and V for every computed token live in a cache of fixed-size blocks laid out
-[kv_heads, num_blocks, block_size, head_dim]. Each step the layer writes the new tokens' K/V at
-their slots (in the cache's dtype, which may be narrower than the model's), then hands the
-queries to the step's backend (`backend.py`), which reads the blocks its own way.
+[kv_heads, num_blocks, block_size, head_dim]. Each step the layer hands the new tokens' K/V and
+its queries to the step's backend (`backend.py`), which writes the blocks and reads them its own
+way (within a block, the CPU kernel's may pair the keys by dims).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tutorserve.kernels import paged_attention as kernel
 from tutorserve.layers.attention.context import get_context
 
 
@@ -30,12 +29,6 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim] → [T, heads * dim]."""
         ctx = get_context()
-        kvh, dim, kv_dtype = self.num_kv_heads, self.head_dim, self.k_cache.dtype
-        slots = ctx.slot_mapping
-        if kernel.supports_write(k, v, self.k_cache):
-            kernel.write_kv(k, v, slots, self.k_cache, self.v_cache)
-        else:
-            self.k_cache.view(kvh, -1, dim).index_copy_(1, slots, k.transpose(0, 1).to(kv_dtype))
-            self.v_cache.view(kvh, -1, dim).index_copy_(1, slots, v.transpose(0, 1).to(kv_dtype))
+        ctx.backend.write(self, k, v, ctx.slot_mapping)
         out = ctx.backend.forward(self, q, k, v, ctx.attention, ctx.workspace)
         return out.view(q.shape[0], -1)

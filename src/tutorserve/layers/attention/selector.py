@@ -11,10 +11,12 @@ from tutorserve.layers.attention.gather import GatherBackend
 
 
 def select_backend(
-    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int
-) -> AttentionBackend:
-    """Our CPU kernel where it takes the model's and the cache's dtypes and the head size;
-    the gather path elsewhere (GPUs, CPUs without a compiler)."""
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+    block_size: int,
+) -> AttentionBackend:  # fmt: skip
+    """Our CPU kernel where it takes the model's and the cache's dtypes and the head size (its
+    keys paired by dims where its bf16 dot-product path reads them); the gather path elsewhere
+    (GPUs, CPUs without a compiler)."""
     if all(kernel.supports(device, dt, head_dim) for dt in (dtype, kv_dtype)):
-        return CPUKernelBackend()
+        return CPUKernelBackend(kernel.pairs_keys(dtype, kv_dtype, head_dim, block_size))
     return GatherBackend()
