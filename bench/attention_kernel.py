@@ -7,9 +7,9 @@ blocks; the row's blocks in order (`seq`, a fresh server) or shuffled (`rnd`, a 
 been freed and reused), at 1 and 2 threads. `--rows R`: R decode rows of KEYS keys each (on the
 same blocks); `--chunk T`: T tokens causal up to KEYS keys (a prefill chunk, or a row verifying
 T - 1 drafts). `hot` calls it on one layer's cache again and again
-(in cache); `cold` walks 30 layers' caches (~25 MB at 1,100 keys), as a step does. `keys`: the
-cache's keys as rows, or paired by dims (`kernels/kv_format.h`, where the level has the bf16 dot
-product; the caches hold random values either way). The time is the best of 5 medians of 300
+(in cache); `cold` walks 30 layers' caches (~25 MB at 1,100 keys), as a step does. `kv`: the
+cache as rows, or paired (`kernels/kv_format.h`, where the level has the bf16 dot product; the
+caches hold random values either way). The time is the best of 5 medians of 300
 calls, in µs, since the box's noise only ever adds time.
 """
 
@@ -22,7 +22,7 @@ import time
 import torch
 
 from tutorserve.kernels import isa
-from tutorserve.kernels.paged_attention import paged_attention, pairs_keys
+from tutorserve.kernels.paged_attention import paged_attention, pairs_kv
 
 LAYERS, KV_HEADS, GROUP, DIM, BLOCK, BLOCKS = 30, 3, 3, 64, 16, 291
 
@@ -49,9 +49,9 @@ def main(keys: int, rows: int, chunk: int) -> None:
     lens, n = torch.tensor([keys] * rows), -(-keys // BLOCK)
     causal = (torch.tensor([keys - chunk]), GROUP) if chunk > 1 else ()
     print(f"kernels: {isa.active().level}; {rows} rows of {chunk} tokens, {keys} keys; µs per call")
-    print("| table | keys | threads | hot | cold |\n|---|---|---|---|---|")
+    print("| table | kv | threads | hot | cold |\n|---|---|---|---|---|")
     orders = {"seq": torch.arange(BLOCKS), "rnd": torch.randperm(BLOCKS, generator=g)}
-    layouts = [False, True] if pairs_keys(torch.bfloat16, torch.bfloat16, DIM, BLOCK) else [False]
+    layouts = [False, True] if pairs_kv(torch.bfloat16, torch.bfloat16, DIM, BLOCK) else [False]
     for name, order in orders.items():
         table = order[:n][None].expand(rows, n).contiguous()
         for threads in (1, 2):
@@ -60,11 +60,11 @@ def main(keys: int, rows: int, chunk: int) -> None:
 
                 def call(i: int, table: torch.Tensor = table, paired: bool = paired) -> None:
                     paged_attention(q, k[i], v[i], table, lens, DIM**-0.5, *causal,
-                                    paired_keys=paired)  # fmt: skip
+                                    paired_kv=paired)  # fmt: skip
 
                 hot, cold = (best_median_us(call, layers) for layers in (1, LAYERS))
-                keys = "paired" if paired else "rows"
-                print(f"| {name} | {keys} | {threads} | {hot:.0f} | {cold:.0f} |")
+                kv = "paired" if paired else "rows"
+                print(f"| {name} | {kv} | {threads} | {hot:.0f} | {cold:.0f} |")
 
 
 if __name__ == "__main__":

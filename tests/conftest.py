@@ -41,7 +41,7 @@ def cpu_isa(request):
 
 @pytest.fixture(params=sorted(BF16_DOT_LEVELS))
 def bf16_dot_isa(request):
-    """The ISA levels with the bf16 dot-product path (the one that reads keys paired by dims),
+    """The ISA levels with the bf16 dot-product path (the one that reads a paired KV cache),
     active during the test; skipped with the reason where the CPU cannot run them."""
     yield from _kernel_level(request.param)
 

@@ -467,8 +467,8 @@ def test_the_cpu_kernel_attends_causally_for_prefill_chunks(cpu_isa, dtypes, dim
 
 def _written_both_ways(block_size, dim, kvh, n, seed):
     """n random keys and values written by `write_kv` into bf16 caches at the slots of a
-    shuffled table, with rows and with keys paired by dims; caches start as NaN, so a kernel
-    that weighed an unwritten slot would say so. → table, row caches, paired caches."""
+    shuffled table, as rows and paired; caches start as NaN, so a kernel that weighed an
+    unwritten slot would say so. → table, row caches, paired caches."""
     g = torch.Generator().manual_seed(seed)
     blocks = -(-n // block_size) + 3
     shape = (kvh, blocks, block_size, dim)
@@ -477,25 +477,26 @@ def _written_both_ways(block_size, dim, kvh, n, seed):
     table = torch.randperm(blocks, generator=g)[: -(-n // block_size)]
     slots = table[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
     kernel.write_kv(k, v, slots, caches[0], caches[1])
-    kernel.write_kv(k, v, slots, caches[2], caches[3], paired_keys=True)
+    kernel.write_kv(k, v, slots, caches[2], caches[3], paired_kv=True)
     return table, caches[:2], caches[2:]
 
 
 @pytest.mark.parametrize(("block_size", "dim"), [(16, 64), (32, 128), (64, 64)])
-def test_paired_keys_lie_as_the_bf16_dot_product_reads_them(bf16_dot_isa, block_size, dim):
-    """Within a block, word c of key j (its dims 2c, 2c + 1) at word c × block_size + j; V
-    as rows."""
+def test_a_paired_cache_lies_as_the_bf16_dot_product_reads_it(bf16_dot_isa, block_size, dim):
+    """Within a block, K's word c of key j (its dims 2c, 2c + 1) at word c × block_size + j;
+    V's dim d of keys 2m, 2m + 1 at word m × dim + d."""
     kvh, n = 2, 3 * block_size - 5
     _, (k_rows, v_rows), (k_paired, v_paired) = _written_both_ways(block_size, dim, kvh, n, 3)
     blocks = k_rows.shape[1]
-    unpaired = k_paired.view(kvh, blocks, dim // 2, block_size, 2).transpose(2, 3)
+    k_unpaired = k_paired.view(kvh, blocks, dim // 2, block_size, 2).transpose(2, 3)
+    v_unpaired = v_paired.view(kvh, blocks, block_size // 2, dim, 2).transpose(3, 4)
     bits = torch.int16  # NaN where neither wrote, the same bits
-    assert torch.equal(unpaired.reshape(k_rows.shape).view(bits), k_rows.view(bits))
-    assert torch.equal(v_paired.view(bits), v_rows.view(bits))
+    assert torch.equal(k_unpaired.reshape(k_rows.shape).view(bits), k_rows.view(bits))
+    assert torch.equal(v_unpaired.reshape(v_rows.shape).view(bits), v_rows.view(bits))
 
 
 @pytest.mark.parametrize(("block_size", "dim", "group"), [(16, 64, 3), (32, 128, 7), (64, 64, 4)])
-def test_attention_over_paired_keys_equals_it_over_rows(bf16_dot_isa, block_size, dim, group):
+def test_attention_over_paired_kv_equals_it_over_rows(bf16_dot_isa, block_size, dim, group):
     """The same products in the same order, bit for bit: decode rows of one key to several
     parts (over 256 keys), and a causal prefill chunk."""
     kvh = 2
@@ -505,37 +506,37 @@ def test_attention_over_paired_keys_equals_it_over_rows(bf16_dot_isa, block_size
         q = torch.randn(1, kvh, group, dim, generator=g).bfloat16()
         args = (table[None].contiguous(), torch.tensor([n]), dim**-0.5)
         want = paged_attention(q, *rows, *args)
-        got = paged_attention(q, *paired, *args, paired_keys=True)
+        got = paged_attention(q, *paired, *args, paired_kv=True)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
         chunk = min(n, 9)  # its last tokens, causal
         q = torch.randn(1, kvh, chunk * group, dim, generator=g).bfloat16()
         causal = (torch.tensor([n - chunk]), group)
         want = paged_attention(q, *rows, *args, *causal)
-        got = paged_attention(q, *paired, *args, *causal, paired_keys=True)
+        got = paged_attention(q, *paired, *args, *causal, paired_kv=True)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), n
 
 
-def test_keys_are_paired_where_the_bf16_dot_product_reads_them(bf16_dot_isa):
+def test_a_cache_is_paired_where_the_bf16_dot_product_reads_it(bf16_dot_isa):
     """bf16 model and cache, head size 64 or 128, blocks of a multiple of 16: paired, and the
-    CPU backend writes and reads them so; anything else keeps rows, and the kernel refuses
-    paired keys it would not read as such."""
+    CPU backend writes and reads it so; anything else keeps rows, and the kernel refuses a
+    paired cache it would not read as such."""
     cpu, bf16, f32 = torch.device("cpu"), torch.bfloat16, torch.float32
-    assert kernel.pairs_keys(bf16, bf16, 64, 16) and kernel.pairs_keys(bf16, bf16, 128, 32)
-    assert not kernel.pairs_keys(f32, bf16, 64, 16)  # float32 queries: the float32 path
-    assert not kernel.pairs_keys(bf16, bf16, 32, 16)
-    assert not kernel.pairs_keys(bf16, bf16, 64, 8)
-    assert select_backend(cpu, bf16, bf16, 64, 16).paired_keys
-    assert not select_backend(cpu, f32, bf16, 64, 16).paired_keys
+    assert kernel.pairs_kv(bf16, bf16, 64, 16) and kernel.pairs_kv(bf16, bf16, 128, 32)
+    assert not kernel.pairs_kv(f32, bf16, 64, 16)  # float32 queries: the float32 path
+    assert not kernel.pairs_kv(bf16, bf16, 32, 16)
+    assert not kernel.pairs_kv(bf16, bf16, 64, 8)
+    assert select_backend(cpu, bf16, bf16, 64, 16).paired_kv
+    assert not select_backend(cpu, f32, bf16, 64, 16).paired_kv
     with isa.use("avx512"):  # no bf16 dot product
-        assert not kernel.pairs_keys(bf16, bf16, 64, 16)
+        assert not kernel.pairs_kv(bf16, bf16, 64, 16)
     table, _, paired = _written_both_ways(16, 64, 1, 20, 0)
     q = torch.randn(1, 1, 3, 64)
     with pytest.raises(ValueError, match="paired"):
         paged_attention(q, *paired, table[None].contiguous(), torch.tensor([20]), 0.125,
-                        paired_keys=True)  # fmt: skip
+                        paired_kv=True)  # fmt: skip
     kv, f32_cache = q[0].transpose(0, 1), torch.zeros(1, 2, 16, 64)
     with pytest.raises(ValueError, match="bfloat16"):
-        kernel.write_kv(kv, kv, torch.arange(3), f32_cache, f32_cache.clone(), paired_keys=True)
+        kernel.write_kv(kv, kv, torch.arange(3), f32_cache, f32_cache.clone(), paired_kv=True)
 
 
 def test_the_best_level_this_cpu_runs_is_built_and_used_for_attention(monkeypatch):

@@ -171,20 +171,20 @@ def test_steps_with_adapter_tokens_run_layer_by_layer(llama32, tmp_path, fused_c
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
-def test_keys_paired_by_dims_decode_as_rows_do(
+def test_a_paired_kv_cache_decodes_as_rows_do(
     bf16_dot_isa, llama64, fused_calls, monkeypatch, quantization
 ):
-    """A bf16 model of head size 64 keeps its cache's keys paired by dims where the bf16 dot
-    product reads them: the same logprobs bit for bit as with rows, layer by layer and (int4)
+    """A bf16 model of head size 64 keeps its KV cache paired where the bf16 dot product reads
+    it: the same logprobs bit for bit as with rows, layer by layer and (int4)
     in the C loop, rows sharing a course prompt included. The prefill of over 256 tokens runs
     layer by layer, the decode steps after it in C: both must pair alike."""
     a = list(range(3, 60))  # 3 full blocks, in the prefix cache after the first request
     prompts = [[*a, 70], list(range(300, 330)), [*a, 90], list(range(100, 400))]
     outs = []
     for paired in (True, False):
-        monkeypatch.setattr(selector.kernel, "pairs_keys", lambda *_, p=paired: p)
+        monkeypatch.setattr(selector.kernel, "pairs_kv", lambda *_, p=paired: p)
         llm = LLM(llama64, dtype="bfloat16", quantization=quantization)
-        assert llm.engine.runner.backend.paired_keys is paired
+        assert llm.engine.runner.backend.paired_kv is paired
         llm.generate([[*a, 60]], GREEDY)
         outs.append(llm.generate(prompts, GREEDY))
         llm.engine.kv.pool.check_integrity()

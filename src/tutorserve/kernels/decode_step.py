@@ -117,18 +117,18 @@ def linear(parts: list[tuple[torch.Tensor, str]], bias: torch.Tensor | None) -> 
 
 def decoder_shape(
     *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
-    dtype: torch.dtype, k_cache: torch.Tensor, paired_keys: bool, cos: torch.Tensor,
+    dtype: torch.dtype, k_cache: torch.Tensor, paired_kv: bool, cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> Shape:  # fmt: skip
     """The decoder's sizes; `k_cache` one layer's [kv_heads, blocks, block_size, head_dim]
-    cache (its keys paired by dims or not, `paged_attention.pairs_keys`), `cos`/`sin` the rotary
+    cache (paired or not, `paged_attention.pairs_kv`), `cos`/`sin` the rotary
     tables [max_positions, head_dim]."""
     return Shape(
         hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
         intermediate=intermediate, num_blocks=k_cache.shape[1], block_size=k_cache.shape[2],
         max_positions=cos.shape[0], parallel_work=PARALLEL_WORK, eps=eps,
         scale=head_dim**-0.5, is_bf16=DTYPES[dtype],
-        cache_format=cache_format(k_cache, paired_keys), table_bf16=DTYPES[cos.dtype],
+        cache_format=cache_format(k_cache, paired_kv), table_bf16=DTYPES[cos.dtype],
         cos=cos.data_ptr(), sin=sin.data_ptr(),
     )  # fmt: skip
 

@@ -15,8 +15,8 @@
  *   q       [sets, kv_heads, nq, dim] float32 or bfloat16 (`q_bf16`)
  *   k, v    [kv_heads, num_blocks, block_size, dim] in `kv_format` (kv_format.h): float32 or
  *           bfloat16, whose cache may be stored in bf16 while the model computes in float32 (half
- *           the bytes read); or bfloat16 with each block's K paired by dims (KV_BF16_PAIRED),
- *           which only the bf16 path below reads
+ *           the bytes read); or bfloat16 with each block paired (KV_BF16_PAIRED), which only
+ *           the bf16 path below reads
  *   tables  [sets, width] int64: the blocks of each set, in order
  *   lens    [sets] int64: keys of each set (its blocks hold them from the first slot on)
  *   causal  [sets] int64 or NULL: for a prefill chunk, the position of its first token; query
@@ -80,8 +80,8 @@ static inline int64_t part_end(const Args *a, const Part *w) {
 
 /* Asks for the rows of the tile `PREFETCH` keys ahead, so that the next blocks, wherever the
  * table put them, are in cache when their turn comes (the hardware prefetcher cannot follow a
- * jump from one block to another). Paired keys of a block larger than a tile lie elsewhere in it
- * than its rows would: every line of the block is still asked for, over its tiles. */
+ * jump from one block to another). A paired block larger than a tile holds a tile's keys
+ * elsewhere than its rows would: every line of the block is still asked for, over its tiles. */
 static inline void prefetch_tile(const Args *a, const Part *w, int64_t t0, int64_t len,
                                  const void *k, const void *v, int64_t elem) {
     if (t0 + PREFETCH >= len) return;
@@ -219,6 +219,35 @@ static inline void transpose_keys(const uint16_t *k, const int64_t at[TILE], int
     }
 }
 
+/* vp[m Z + z] (Z = D / 16): dims 16 z .. 16 z + 15 of the tile's keys 2m, 2m + 1, one dim a lane
+ * (each lane's two bf16 halves the two keys). Paired values lie so, dim 16 z + l in lane l: a
+ * full tile is read where it lies; in a tile of n < 16 keys those past n are zeros (the cache
+ * there may hold anything, and a zero probability times an infinity is not zero). Rows are
+ * unpacked in registers, into lane 4L + j: dim 32 (z / 2) + 8 L + 4 (z % 2) + j. */
+static inline const __m512i *value_pairs(const Args *a, const uint16_t *vc, const int64_t at[TILE],
+                                         int64_t n, int64_t o, int64_t D, __m512i *vp) {
+    const int64_t Z = D / 16;
+    if (a->paired) {
+        const __m512i *lie =
+            (const __m512i *)((const uint32_t *)(vc + at[0] - o * D) + o / 2 * D);
+        if (n == TILE) return lie;
+        for (int64_t m = 0; m < TILE / 2; m++) {
+            const __mmask32 keep = 2 * m + 1 < n ? 0xFFFFFFFFu : 2 * m < n ? 0x55555555u : 0u;
+            for (int64_t z = 0; z < Z; z++)
+                vp[m * Z + z] = _mm512_maskz_loadu_epi16(keep, lie + m * Z + z);
+        }
+        return vp;
+    }
+    for (int64_t m = 0; m < TILE / 2; m++)
+        for (int64_t h = 0; h < D / 32; h++) {
+            const __m512i x = _mm512_loadu_si512(vc + at[2 * m] + 32 * h);
+            const __m512i y = _mm512_loadu_si512(vc + at[2 * m + 1] + 32 * h);
+            vp[m * Z + 2 * h] = _mm512_unpacklo_epi16(x, y);
+            vp[m * Z + 2 * h + 1] = _mm512_unpackhi_epi16(x, y);
+        }
+    return vp;
+}
+
 /* Queries i0 .. i0 + QN - 1 (QN ≤ QB) of head size D against the tile in kp (dim pair c's words
  * at kp + c ks) / vp: scores, the
  * online softmax's update, values. Expanded for each QN, so that a GQA group of 3 or 7 queries
@@ -265,7 +294,8 @@ static inline void transpose_keys(const uint16_t *k, const int64_t at[TILE], int
             for (int u = 0; u < QN; u++) {                                                     \
                 const __m512bh pb = bcast(pw[u][m]);                                           \
                 for (int z = 0; z < Z; z++)                                                    \
-                    r[u][z] = _mm512_dpbf16_ps(r[u][z], (__m512bh)vp[m * Z + z], pb);          \
+                    r[u][z] = _mm512_dpbf16_ps(                                                \
+                        r[u][z], (__m512bh)_mm512_loadu_si512(vt + m * Z + z), pb);            \
             }                                                                                  \
         for (int u = 0; u < QN; u++)                                                           \
             for (int z = 0; z < Z; z++) _mm512_store_ps(acc + (i0 + u) * D + 16 * z, r[u][z]); \
@@ -278,7 +308,7 @@ static void attend_bf16_##D(const Args *a, const Part *w) {                     
     const uint16_t *q = (const uint16_t *)a->q + ((set * a->kv_heads + head) * a->nq + q0) * D;\
     const uint16_t *kc = (const uint16_t *)a->k, *vc = (const uint16_t *)a->v;                  \
     uint32_t kt[W * TILE] __attribute__((aligned(64)));                                        \
-    __m512i vp[TILE / 2 * Z];                                                                  \
+    __m512i vp[TILE / 2 * Z] __attribute__((aligned(64)));                                     \
     float acc[QCHUNK * D] __attribute__((aligned(64)));                                        \
     float peak[QCHUNK], total[QCHUNK];                                                         \
     uint32_t pw[QB][TILE / 2] __attribute__((aligned(64)));                                    \
@@ -298,15 +328,7 @@ static void attend_bf16_##D(const Args *a, const Part *w) {                     
         const int64_t o = t0 % a->block_size, ks = a->paired ? a->block_size : TILE;          \
         const uint32_t *kp = a->paired ? (const uint32_t *)(kc + at[0] - o * D) + o : kt;     \
         if (!a->paired) transpose_keys(kc, at, D, kt);                                         \
-        const uint16_t *vrow[TILE];                                                            \
-        for (int64_t j = 0; j < TILE; j++) vrow[j] = vc + at[j];                               \
-        for (int64_t m = 0; m < TILE / 2; m++)                                                 \
-            for (int64_t h = 0; h < D / 32; h++) {                                             \
-                const __m512i x = _mm512_loadu_si512(vrow[2 * m] + 32 * h);                    \
-                const __m512i y = _mm512_loadu_si512(vrow[2 * m + 1] + 32 * h);                \
-                vp[m * Z + 2 * h] = _mm512_unpacklo_epi16(x, y);                               \
-                vp[m * Z + 2 * h + 1] = _mm512_unpackhi_epi16(x, y);                           \
-            }                                                                                  \
+        const __m512i *vt = value_pairs(a, vc, at, n, o, D, vp);                               \
         for (int64_t i0 = 0; i0 < nq; i0 += QB) {                                              \
             switch (nq - i0 < QB ? nq - i0 : QB) {                                             \
             case 1: QUERY_BLOCK(1, D); break;                                                  \
@@ -316,13 +338,15 @@ static void attend_bf16_##D(const Args *a, const Part *w) {                     
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
-    /* Lane 4L + j of accumulator z holds dim 32 (z / 2) + 8 L + 4 (z % 2) + j. */            \
+    /* Lane l of accumulator z holds the dim that lane of vp does (value_pairs). */            \
     for (int64_t i = 0; i < nq; i++) {                                                         \
         const float inv = total[i] > 0.f ? 1.f / total[i] : 0.f;                               \
         for (int z = 0; z < Z; z++)                                                            \
-            for (int l = 0; l < 16; l++)                                                       \
-                w->out[i * D + 32 * (z / 2) + 8 * (l / 4) + 4 * (z % 2) + l % 4] =             \
-                    acc[i * D + 16 * z + l] * inv;                                             \
+            for (int l = 0; l < 16; l++) {                                                     \
+                const int d =                                                                  \
+                    a->paired ? 16 * z + l : 32 * (z / 2) + 8 * (l / 4) + 4 * (z % 2) + l % 4; \
+                w->out[i * D + d] = acc[i * D + 16 * z + l] * inv;                             \
+            }                                                                                  \
         w->lse[i] = peak[i] + logf(total[i]);                                                  \
     }                                                                                          \
 }

@@ -6,8 +6,8 @@ torch path copies each decode row's blocks into a contiguous tensor first: their
 read, written and read again. The kernel reads them once, in place, at the ISA level `isa`
 chose (with the CPU's bfloat16 dot-product instructions where it has them). The cache may be
 stored in bfloat16 while queries are float32: the kernel widens K/V as it reads them. A bf16
-cache read by the bf16 dot-product path stores its keys paired by dims (`pairs_keys`,
-`kv_format.h`), as that path reads them. Without a compiler, `supports()` is False and attention
+cache read by the bf16 dot-product path is stored paired (`pairs_kv`, `kv_format.h`): K and V
+in the order that path reads them. Without a compiler, `supports()` is False and attention
 gathers blocks instead (as it always does on GPUs).
 """
 
@@ -33,10 +33,10 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     )
 
 
-def pairs_keys(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+def pairs_kv(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     """Whether a model in `dtype` stores its `kv_dtype` cache of this head and block size with
-    keys paired by dims: where attention takes the bf16 dot-product path, which then loads a tile
-    of keys as it lies instead of transposing it (`kv_format.h`)."""
+    K and V paired: where attention takes the bf16 dot-product path, which then loads a tile of
+    keys and values as they lie instead of transposing them (`kv_format.h`)."""
     kernels = isa.active()
     return (
         kernels is not None
@@ -47,9 +47,9 @@ def pairs_keys(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, block_s
     )
 
 
-def cache_format(cache: torch.Tensor, paired_keys: bool) -> int:
+def cache_format(cache: torch.Tensor, paired_kv: bool) -> int:
     """The `cache_format` the kernels take for a cache of this dtype and layout."""
-    return KV_BF16_PAIRED if paired_keys else DTYPES[cache.dtype]
+    return KV_BF16_PAIRED if paired_kv else DTYPES[cache.dtype]
 
 
 def paged_attention(
@@ -61,15 +61,15 @@ def paged_attention(
     scale: float,
     causal: torch.Tensor | None = None,
     group: int = 1,
-    paired_keys: bool = False,
+    paired_kv: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [sets, kv_heads, nq, dim], float32 or bfloat16; caches: [kv_heads, blocks,
     block_size, dim], float32 or bfloat16; tables: [sets, width] int64 (each set's blocks,
     padded); lens: [sets] int64 keys per set → float32 outputs [sets, kv_heads, nq, dim] and
     log-sum-exp [sets, kv_heads, nq]. Every query sees all its set's keys, or with `causal`
     ([sets] int64, the position of the set's first query token) those up to its own position,
-    the nq queries being tokens × `group` query heads. `paired_keys`: the cache's keys are
-    paired by dims (`pairs_keys`)."""
+    the nq queries being tokens × `group` query heads. `paired_kv`: the cache is paired
+    (`pairs_kv`)."""
     kernels = isa.active()
     if kernels is None:
         raise RuntimeError("the CPU attention kernel is not available")
@@ -90,13 +90,13 @@ def paged_attention(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), None if causal is None else causal.data_ptr(), sets, kvh, nq,
             group, dim, num_blocks, block_size, tables.shape[1], scale, DTYPES[q.dtype],
-            cache_format(k_cache, paired_keys), out.data_ptr(), lse.data_ptr(),
+            cache_format(k_cache, paired_kv), out.data_ptr(), lse.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
     if status == -2:
         raise MemoryError("paged_attention cannot allocate its parts' buffer")
     if status != 0:
-        what = " with keys paired by dims" if paired_keys else ""
+        what = " on a paired cache" if paired_kv else ""
         raise ValueError(f"paged_attention cannot run head size {dim}{what} here")
     return out, lse
 
@@ -121,11 +121,11 @@ def write_kv(
     slots: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    paired_keys: bool = False,
+    paired_kv: bool = False,
 ) -> None:
     """Writes k, v ([tokens, kv_heads, dim]) at `slots` ([tokens] int64, block * block_size +
     offset) of one layer's caches ([kv_heads, blocks, block_size, dim], converting to their
-    dtype; with `paired_keys`, a bf16 cache's keys paired by dims within each block)."""
+    dtype; with `paired_kv`, a bf16 cache paired within each block, `kv_format.h`)."""
     kernels = isa.active()
     if kernels is None:
         raise RuntimeError("the CPU KV write kernel is not available")
@@ -133,8 +133,8 @@ def write_kv(
         raise ValueError("write_kv needs int64 slots and K and V caches of one dtype")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("write_kv needs contiguous caches")
-    if paired_keys and k_cache.dtype != torch.bfloat16:
-        raise ValueError("write_kv pairs the keys of bfloat16 caches only")
+    if paired_kv and k_cache.dtype != torch.bfloat16:
+        raise ValueError("write_kv pairs bfloat16 caches only")
     slots = slots.contiguous()
     tokens, kvh, dim = k.shape
     with traced("tutorserve::write_kv"):
@@ -142,7 +142,7 @@ def write_kv(
             k.data_ptr(), v.data_ptr(), tokens, kvh, dim, k.stride(0), v.stride(0), k.stride(1),
             slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             k_cache.numel() // (kvh * dim), k_cache.shape[2], DTYPES[k.dtype],
-            cache_format(k_cache, paired_keys), threads_for(2 * k.numel()),
+            cache_format(k_cache, paired_kv), threads_for(2 * k.numel()),
         )  # fmt: skip
     if status != 0:
         raise ValueError("write_kv: a slot is outside the cache")

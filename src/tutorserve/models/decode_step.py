@@ -46,7 +46,7 @@ class FusedDecode:
         ctx = current_context()
         if ctx is None or ctx.lora is not None or not isinstance(ctx.backend, CPUKernelBackend):
             return None
-        key = (self.layers[0].self_attn.attn.k_cache, x.dtype, ctx.backend.paired_keys)
+        key = (self.layers[0].self_attn.attn.k_cache, x.dtype, ctx.backend.paired_kv)
         if self._key is None or self._key[0] is not key[0] or self._key[1:] != key[1:]:
             self._key, self._described = key, _describe(self.layers, x.dtype, key[2])
         described = self._described
@@ -95,7 +95,7 @@ def _quantized(proj: nn.Module) -> QuantLinear | None:
     return base if isinstance(base, QuantLinear) else None
 
 
-def _describe(layers: nn.ModuleList, dtype: torch.dtype, paired_keys: bool) -> _Described | None:
+def _describe(layers: nn.ModuleList, dtype: torch.dtype, paired_kv: bool) -> _Described | None:
     """The layers as the C loop takes them, or None when a piece has no kernel here."""
     first = layers[0]
     attn, rotary = first.self_attn.attn, first.self_attn.rotary
@@ -133,6 +133,6 @@ def _describe(layers: nn.ModuleList, dtype: torch.dtype, paired_keys: bool) -> _
     shape = kernel.decoder_shape(
         hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim, intermediate=inter, eps=first.input_layernorm.eps, dtype=dtype,
-        k_cache=attn.k_cache, paired_keys=paired_keys, cos=rotary.cos, sin=rotary.sin,
+        k_cache=attn.k_cache, paired_kv=paired_kv, cos=rotary.cos, sin=rotary.sin,
     )  # fmt: skip
     return _Described((kernel.Layer * len(described))(*described), shape, min(max_rows), tensors)

@@ -4,8 +4,8 @@ Decode rows, shared course prompts and prefill chunks all become sets of blocks 
 count; the kernel attends over each set where its blocks lie (no gathered copies) and returns
 float32 outputs with their log-sum-exp, so cascade attention merges them. Query heads of a KV
 group fold into the query axis, so GQA reads each K/V block once per group. Where the kernel
-takes its bf16 dot-product path, the backend keeps each block's keys paired by dims, the order
-that path reads them in (`kernels/kv_format.h`).
+takes its bf16 dot-product path, the backend keeps each block paired: K and V in the order that
+path reads them (`kernels/kv_format.h`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ class KernelPrefill:
 class CPUKernelBackend(AttentionBackend):
     name = "cpu-kernel"
 
-    def __init__(self, paired_keys: bool = False) -> None:
-        self.paired_keys = paired_keys
-        self.kv_layout = "keys paired by dims" if paired_keys else "rows"
+    def __init__(self, paired_kv: bool = False) -> None:
+        self.paired_kv = paired_kv
+        self.kv_layout = "paired for bf16 dot products" if paired_kv else "rows"
 
     def __str__(self) -> str:
         kernels = isa.active()
@@ -51,7 +51,7 @@ class CPUKernelBackend(AttentionBackend):
     ) -> None:
         if not paged_attention.supports_write(k, v, layer.k_cache):
             k, v = k.contiguous(), v.contiguous()  # views the kernel cannot stride through
-        paged_attention.write_kv(k, v, slots, layer.k_cache, layer.v_cache, self.paired_keys)
+        paged_attention.write_kv(k, v, slots, layer.k_cache, layer.v_cache, self.paired_kv)
 
     def build(self, batch: AttentionBatch) -> AttentionMetadata[KernelPrefill]:
         dev = batch.device
@@ -74,7 +74,7 @@ class CPUKernelBackend(AttentionBackend):
         rows, kvh, dim = q.shape[0], layer.num_kv_heads, layer.head_dim
         o, lse = paged_attention.paged_attention(
             q.view(rows, kvh, layer.group, dim), layer.k_cache, layer.v_cache, bucket.tables,
-            bucket.lens, layer.scale, paired_keys=self.paired_keys,
+            bucket.lens, layer.scale, paired_kv=self.paired_kv,
         )  # fmt: skip
         return o.view(rows, layer.num_heads, dim), lse.view(rows, layer.num_heads, 1)
 
@@ -85,7 +85,7 @@ class CPUKernelBackend(AttentionBackend):
         q = qp.transpose(1, 2).reshape(ng, kvh, members * g, dim)
         o, lse = paged_attention.paged_attention(
             q, layer.k_cache, layer.v_cache, sp.tables, sp.lens, layer.scale,
-            paired_keys=self.paired_keys,
+            paired_kv=self.paired_kv,
         )  # fmt: skip
         return (
             o.view(ng, kvh, members, g, dim).transpose(1, 2),
@@ -100,6 +100,6 @@ class CPUKernelBackend(AttentionBackend):
         qs = q.view(n, kvh, g, dim).transpose(0, 1).reshape(1, kvh, n * g, dim)
         o, _ = paged_attention.paged_attention(
             qs, layer.k_cache, layer.v_cache, chunk.table[None], chunk.kv_len, layer.scale,
-            chunk.q_start, g, self.paired_keys,
+            chunk.q_start, g, self.paired_kv,
         )  # fmt: skip
         return o.view(kvh, n, g, dim).transpose(0, 1).reshape(n, layer.num_heads, dim).to(q.dtype)

@@ -3,7 +3,7 @@
 Per layer, K and V for every computed token live in a cache of fixed-size blocks laid out
 [kv_heads, num_blocks, block_size, head_dim]. Each step the layer hands the new tokens' K/V and
 its queries to the step's backend (`backend.py`), which writes the blocks and reads them its own
-way (within a block, the CPU kernel's may pair the keys by dims).
+way (the CPU kernel's may pair them within a block, `kernels/kv_format.h`).
 """
 
 from __future__ import annotations

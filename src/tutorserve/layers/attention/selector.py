@@ -15,8 +15,8 @@ def select_backend(
     block_size: int,
 ) -> AttentionBackend:  # fmt: skip
     """Our CPU kernel where it takes the model's and the cache's dtypes and the head size (its
-    keys paired by dims where its bf16 dot-product path reads them); the gather path elsewhere
+    cache paired where its bf16 dot-product path reads it); the gather path elsewhere
     (GPUs, CPUs without a compiler)."""
     if all(kernel.supports(device, dt, head_dim) for dt in (dtype, kv_dtype)):
-        return CPUKernelBackend(kernel.pairs_keys(dtype, kv_dtype, head_dim, block_size))
+        return CPUKernelBackend(kernel.pairs_kv(dtype, kv_dtype, head_dim, block_size))
     return GatherBackend()
