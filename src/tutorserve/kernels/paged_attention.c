@@ -248,10 +248,10 @@ static inline const __m512i *value_pairs(const Args *a, const uint16_t *vc, cons
     return vp;
 }
 
-/* Queries i0 .. i0 + QN - 1 (QN ≤ QB) of head size D against the tile in kp (dim pair c's words
- * at kp + c ks) / vp: scores, the
- * online softmax's update, values. Expanded for each QN, so that a GQA group of 3 or 7 queries
- * fills no slot with a repeat of the last. */
+/* Queries i0 .. i0 + QN - 1 (QN ≤ QB) of head size D against the tile's keys (dim pair c of
+ * key j at kp[c ks + j]) and values (vt, as value_pairs lays them): scores, the online
+ * softmax's update, values. Expanded for each QN, so that a GQA group of 3 or 7 queries fills
+ * no slot with a repeat of the last. */
 #define QUERY_BLOCK(QN, D)                                                                     \
     do {                                                                                       \
         __m512 s[QN][2];                                                                       \
