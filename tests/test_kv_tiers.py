@@ -14,6 +14,8 @@ import torch
 from tutorserve import LLM, SamplingParams
 from tutorserve.engine.kv_tiers.disk import DiskTier
 from tutorserve.engine.kv_tiers.lru import LruIndex
+from tutorserve.layers.attention import selector
+from tutorserve.models.synth import SynthSpec, synth_model
 from tutorserve.paging import hash_block
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -154,6 +156,25 @@ def test_session_persists_across_restart(synth_llama, tmp_path, history, referen
     assert out.token_ids == reference
     assert out.metrics.num_cached_tokens == (len(history) - 1) // BS * BS
     assert stats(restarted)["disk"].hits == (len(history) - 1) // BS
+
+
+def test_blocks_stored_under_one_kv_layout_are_not_read_under_another(
+    bf16_dot_isa, tmp_path, history, monkeypatch
+):
+    """A bf16 model of head size 64 pairs its KV cache where the bf16 dot product runs
+    (`kernels/kv_format.h`); a restart that lays it out otherwise (a forced lower ISA level,
+    another host) recomputes the session instead of reading paired words as rows, and one
+    that lays it out alike restores it."""
+    spec = SynthSpec(arch="llama", hidden=192, heads=3, kv_heads=1, seed=7)
+    model = str(synth_model(tmp_path / "model", spec))
+    outs = []
+    for paired in (True, False, True):
+        monkeypatch.setattr(selector.kernel, "pairs_kv", lambda *_, p=paired: p)
+        with LLM(model, dtype="bfloat16", kv_ram_bytes=0, kv_disk_bytes=1 << 30,
+                 kv_disk_dir=str(tmp_path / "kv")) as llm:  # fmt: skip
+            outs.append(llm.generate([history], GREEDY, session_id="s")[0])
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 0, (len(history) - 1) // BS * BS]
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
 
 
 def corrupt_flip(path):
