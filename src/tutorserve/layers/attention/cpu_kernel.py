@@ -39,7 +39,10 @@ class CPUKernelBackend(AttentionBackend):
 
     def __init__(self, paired_kv: bool = False) -> None:
         self.paired_kv = paired_kv
-        self.kv_layout = "paired for bf16 dot products" if paired_kv else "rows"
+
+    @property
+    def kv_layout(self) -> str:
+        return "paired for bf16 dot products" if self.paired_kv else "rows"
 
     def __str__(self) -> str:
         kernels = isa.active()
