@@ -10,6 +10,7 @@ segments on the same running batch, so the box's noise hits both sides alike.
     .venv/bin/python bench/decode_ab.py rope-kv-kernels --batch 1 --quantization auto
     .venv/bin/python bench/decode_ab.py repack16 --batch 1 --quantization auto   # two engines
     .venv/bin/python bench/decode_ab.py kv-bf16 --dtype float32   # two engines, same requests
+    .venv/bin/python bench/decode_ab.py bf16-gemm --batch 64 --quantization auto --model M
     TUTORSERVE_CPU_ISA=avx2 .venv/bin/python bench/decode_ab.py in-place --batch 16 \
         --dtype float32 --kv-cache-dtype bfloat16   # one ISA level of the kernels, forced
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -34,7 +36,7 @@ from tutorserve.kernels import isa, norm_act
 from tutorserve.kernels import paged_attention as attention_kernels
 from tutorserve.kernels import rotary as rotary_kernel
 from tutorserve.layers.attention.gather import GatherBackend
-from tutorserve.quant import QuantWeight
+from tutorserve.quant import QuantLinear, QuantWeight
 
 
 def _rope_per_layer(self, positions, q, k):  # the method as it was
@@ -81,6 +83,14 @@ def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
     def fused(on: bool) -> None:
         norm_act.supports = supports if on else (lambda x, width: False)
 
+    quantized = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    gemm_rows = {m: m.gemm_rows for m in quantized}
+
+    def gemm(on: bool) -> None:  # int8 tiles to 256 rows without it, as before the GEMM
+        for m in quantized:
+            m.gemm_rows = gemm_rows[m] if on else sys.maxsize
+        llm.engine.model.fused_decode._key = None  # the C loop describes the layers again
+
     return {
         "prefix-reuse": ("reuse", "gather every step", prefix),
         "rope-per-step": ("per step", "per layer", rope_step),
@@ -88,13 +98,14 @@ def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
         "in-place": ("kernel reads blocks in place", "gather then attend", in_place),
         "fused-norm-act": ("fused add+RMSNorm, SiLU*up", "PyTorch ops", fused),
         "rope-kv-kernels": ("RoPE and KV write in C", "PyTorch ops", rope_kv),
+        "bf16-gemm": ("bf16 GEMM above 16 rows", "int8 tiles", gemm),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     changes = ["fused-norm-act", "in-place", "kv-bf16", "prefix-reuse", "rope-per-step"]
-    changes += ["repack16", "rope-kv-kernels", "suffix-flash"]
+    changes += ["repack16", "rope-kv-kernels", "suffix-flash", "bf16-gemm"]
     p.add_argument("change", choices=changes)
     p.add_argument("--pairs", type=int, default=10)
     p.add_argument("--model", default="smollm2-135m-instruct")

@@ -37,7 +37,8 @@ def main() -> None:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(100, engine.model.config.vocab_size - 100) for _ in range(n)]
 
-    print(f"weights dequantized above {dequantizing_rows(engine.model)} tokens per step")
+    rows = dequantizing_rows(engine.model, engine.dtype)
+    print(f"weights dequantized above {rows} tokens per step")
     print("| tokens computed (after 1,024 cached) | step ms (median of 5) |\n|---|---|")
     for n in SIZES:
         cached = tokens(1024)

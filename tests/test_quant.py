@@ -4,6 +4,8 @@ the default model served on its Q4_1 blocks against the same model dequantized."
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,13 @@ from tutorserve.bench.roofline import Machine, decode_bound, weight_bytes
 from tutorserve.bench.teacher_forced import forward_logits, perplexity
 from tutorserve.kernels import quant
 from tutorserve.quant import QuantEmbedding, QuantLinear, QuantWeight, Scratch
-from tutorserve.quant.layers import GEMV_ROWS, GEMV_ROWS_DEFAULT, dequantizing_rows
+from tutorserve.quant.layers import (
+    GEMM_ROWS,
+    GEMV_ROWS,
+    GEMV_ROWS_DEFAULT,
+    dequantizing_rows,
+    keep_on_blocks,
+)
 
 REPACKED = list(quant.REPACKED.values())
 FORMATS = [fmt for fmt in quant.FORMATS if fmt not in REPACKED]  # GGUF's own
@@ -121,6 +129,43 @@ def test_repacked_rows_dequantize_and_multiply_as_their_gguf_rows(cpu_isa, fmt):
         quant.repack16(odd.blocks, fmt, k)
 
 
+@pytest.mark.parametrize("fmt", list(quant.REPACKED))
+def test_the_bf16_gemm_multiplies_on_the_weight_dequantized_to_bf16(bf16_dot_isa, fmt):
+    """The bf16 GEMM on repacked rows computes with exactly the weights `dequantize` writes in
+    bf16 and the bf16 activations as they are: against a float64 matmul of both, float32 sums
+    (the 32-weight formats at 3 blocks a row, the K-quants at 2: every position of a block);
+    each row as it gives alone, whatever tile it shares; a bf16 output rounded once."""
+    k = 512 if quant.FORMATS[fmt][1] == 256 else 96
+    weight = QuantWeight(torch.from_numpy(random_blocks(fmt, 48, k)), fmt, k).repacked()
+    w, repacked = weight.blocks, weight.fmt
+    assert quant.has_gemm(repacked) and not quant.has_gemm(fmt)
+    dequantized = quant.dequantize(w, repacked, k, torch.bfloat16).double()
+    gemm = quant.bind_gemm(w, repacked, k)
+    for batch in (1, 7, 8, 9, 20):  # below, at and above the tile of eight rows
+        x = torch.randn(batch, k).bfloat16()
+        y = torch.empty(batch, 48)
+        gemm(x, y)
+        want = x.double() @ dequantized.T
+        assert (y.double() - want).abs().max() <= 2e-6 * want.abs().max()
+        for r in range(batch):
+            alone = torch.empty(1, 48)
+            gemm(x[r : r + 1], alone)
+            assert torch.equal(alone[0], y[r]), f"row {r}"
+        out = torch.zeros(batch, 60, dtype=torch.bfloat16)
+        gemm(x, out[:, 4:52])  # a column slice of a wider output
+        assert torch.equal(out[:, 4:52], y.bfloat16()) and not out[:, :4].any()
+
+
+def test_the_bf16_gemm_is_only_where_the_cpu_has_the_bf16_dot_product(cpu_isa):
+    w = QuantWeight(torch.from_numpy(random_blocks("Q4_0", 16, 64)), "Q4_0", 64).repacked()
+    gemm = quant.bind_gemm(w.blocks, w.fmt, 64)
+    if quant.has_gemm(w.fmt):
+        gemm(torch.randn(2, 64).bfloat16(), torch.empty(2, 16))
+    else:
+        with pytest.raises(ValueError, match="no bf16 dot product"):
+            gemm(torch.randn(2, 64).bfloat16(), torch.empty(2, 16))
+
+
 def test_matmul_writes_a_column_slice_and_refuses_partial_blocks(cpu_isa):
     blocks = torch.from_numpy(random_blocks("Q4_1", 8, 64))
     x = torch.randn(2, 64)
@@ -144,8 +189,8 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
     rows, dtype, bias
 ):
     """q and k in Q4_K, v in Q6_K, as a Q4_K_M file keeps them, then a Q4_1 part, each repacked;
-    decode-sized batches multiply on the blocks (on int8 activations), larger ones on the
-    dequantized weight."""
+    decode-sized batches multiply on the blocks (on int8 activations), larger ones in bf16 with
+    the bf16 GEMM where the CPU has it, else on the dequantized weight."""
     spec = [("Q4_K", 48, 256), ("Q4_K", 16, 256), ("Q6_K", 16, 256), ("Q4_1", 16, 256)]
     parts = [
         QuantWeight(torch.from_numpy(random_blocks(f, n, k, seed=i)), f, k)
@@ -154,8 +199,10 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
     b = torch.randn(96) if bias else None
     layer = QuantLinear(parts, b, Scratch()).to(dtype)
     assert layer.fmts == ["Q4_K_R16", "Q6_K_R16", "Q4_1_R16"] and layer.gemv_rows == 256
+    assert layer.gemm_rows == (GEMM_ROWS if quant.has_gemm("Q4_K_R16") else sys.maxsize)
     x = torch.randn(rows, 256).to(dtype)
-    read = as_kernel_reads if rows <= layer.gemv_rows else lambda x: x.double().numpy()
+    exact = rows > layer.gemv_rows or (dtype == torch.bfloat16 and rows > layer.gemm_rows)
+    read = (lambda x: x.double().numpy()) if exact else as_kernel_reads
     want = torch.cat(
         [torch.from_numpy(read(x) @ reference(p.blocks.numpy(), p.fmt).T) for p in parts],
         dim=1,
@@ -181,6 +228,19 @@ def test_a_repacked_layer_multiplies_on_its_blocks_up_to_its_own_row_count(rows)
     want = read(x) @ reference(w.blocks.numpy(), "Q4_1").T
     got = layer(x).double().numpy()
     assert abs(got - want).max() <= 1e-5 * abs(want).max()
+
+
+def test_kept_on_blocks_a_row_gives_what_it_gives_alone_at_any_row_count():
+    """`--batch-invariant` keeps every row count on the int8 kernels, which sum a row alone:
+    40 rows give each row's single-row result bit for bit, where the bf16 GEMM (and above 256
+    rows, PyTorch's) would take them at that count."""
+    w = QuantWeight(torch.from_numpy(random_blocks("Q4_1", 32, 256)), "Q4_1", 256)
+    layer = QuantLinear([w], None, Scratch())
+    keep_on_blocks(layer)
+    x = torch.randn(300, 256).bfloat16()
+    for rows in (40, 300):
+        y = layer(x[:rows])
+        assert all(torch.equal(layer(x[r : r + 1])[0], y[r]) for r in range(0, rows, 7))
 
 
 def test_the_shared_buffer_is_dequantized_again_only_after_another_layer_took_it(monkeypatch):
@@ -214,9 +274,9 @@ def test_the_rows_a_model_dequantizes_above_are_those_of_most_of_its_weight(monk
                                    256)], None, Scratch())  # fmt: skip
     small = QuantLinear([QuantWeight(torch.from_numpy(random_blocks("Q5_1", 16, 64)), "Q5_1",
                                      64)], None, Scratch())  # fmt: skip
-    assert dequantizing_rows(nn.Sequential(small)) == GEMV_ROWS_DEFAULT
-    assert dequantizing_rows(nn.Linear(4, 4)) is None
-    rows = dequantizing_rows(nn.ModuleList([small, big]))
+    assert dequantizing_rows(nn.Sequential(small), torch.float32) == GEMV_ROWS_DEFAULT
+    assert dequantizing_rows(nn.Linear(4, 4), torch.float32) is None
+    rows = dequantizing_rows(nn.ModuleList([small, big]), torch.float32)
     assert rows == GEMV_ROWS["Q4_1_R16"]
     calls = []
     dequantize = quant.dequantize

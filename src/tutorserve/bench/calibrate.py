@@ -137,7 +137,7 @@ def measure(
         engine.step_log = None
     probes = [_restore_probe(engine, rng) for _ in range(3)]
     engine.close()
-    return samples, probes, dequantizing_rows(engine.model)
+    return samples, probes, dequantizing_rows(engine.model, engine.dtype)
 
 
 def probe_restores(config: EngineConfig, seed: int) -> list[Sample]:

@@ -117,7 +117,7 @@ class LLMEngine:
         if config.step_log_dir:
             header = {"model": config.model, "dtype": config.dtype, "threads": config.num_threads,
                       "block_size": bs, "max_num_batched_tokens": config.max_num_batched_tokens,
-                      "dequant_rows": dequantizing_rows(self.model)}  # fmt: skip
+                      "dequant_rows": dequantizing_rows(self.model, self.dtype)}  # fmt: skip
             self.step_log = StepLogFile(config.step_log_dir, header)
         self.num_steps, self.step_seconds = 0, 0.0
         # When the last logged step ended with requests left: the time until the next step

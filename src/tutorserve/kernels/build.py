@@ -55,6 +55,7 @@ _SIGNATURES = {
     "add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, _i32, _i32],
     "silu_mul": [_ptr, _ptr, _i64, _i64, _i32, _i32],
     "quant_matmul": [_ptr, _i32, _i64, _i64, _ptr, _i32, _i64, _i64, _ptr, _i32, _i64, _i32],
+    "quant_gemm": [_ptr, _i32, _i64, _i64, _ptr, _i64, _i64, _ptr, _i32, _i64, _i32],
     "quant_dequantize": [_ptr, _i32, _i64, _ptr, _i64, _ptr, _i32, _i32],
     "quant_repack16": [_ptr, _i32, _i64, _i64, _ptr],
     "apply_token_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],

@@ -22,6 +22,8 @@ int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t n, int is_bf1
              int num_threads);
 int quant_matmul(const void *w, int fmt, int64_t n, int64_t k, const void *x, int x_bf16,
                  int64_t batch, int64_t ldx, void *y, int y_bf16, int64_t ldy, int num_threads);
+int quant_gemm(const void *w, int fmt, int64_t n, int64_t k, const void *x, int64_t batch,
+               int64_t ldx, void *y, int y_bf16, int64_t ldy, int num_threads);
 int rotary_embedding(const int64_t *positions, void *q, void *k, int64_t tokens, int64_t q_heads,
                      int64_t k_heads, int64_t head_dim, int64_t q_token_stride,
                      int64_t q_head_stride, int64_t k_token_stride, int64_t k_head_stride,
@@ -45,7 +47,8 @@ typedef struct {
     int64_t rows[MAX_PARTS];
     int32_t fmt[MAX_PARTS];
     int32_t parts;
-    const void *bias; /* [out] in the model's dtype, or NULL */
+    const void *bias;  /* [out] in the model's dtype, or NULL */
+    int64_t gemm_rows; /* rows above which bf16 rows take quant_gemm (quant/layers.py) */
 } Linear;
 
 typedef struct {
@@ -95,10 +98,14 @@ static int project(const Linear *l, const void *x, int64_t k, int64_t rows, int 
     void *dst = l->bias ? (void *)wide : y;
     const int dst_bf16 = l->bias ? 0 : y_bf16;
     const int64_t dst_size = l->bias ? 4 : size;
+    const int gemm = x_bf16 && rows > l->gemm_rows;
     for (int p = 0; p < l->parts; p++) {
-        const int status = quant_matmul(l->blocks[p], l->fmt[p], l->rows[p], k, x, x_bf16, rows,
-                                        k, (char *)dst + col * dst_size, dst_bf16, ldy,
-                                        num_threads);
+        void *out = (char *)dst + col * dst_size;
+        const int status =
+            gemm ? quant_gemm(l->blocks[p], l->fmt[p], l->rows[p], k, x, rows, k, out, dst_bf16,
+                              ldy, num_threads)
+                 : quant_matmul(l->blocks[p], l->fmt[p], l->rows[p], k, x, x_bf16, rows, k, out,
+                                dst_bf16, ldy, num_threads);
         if (status) return status;
         col += l->rows[p];
     }

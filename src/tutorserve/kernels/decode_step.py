@@ -26,6 +26,7 @@ class Linear(ctypes.Structure):
         ("fmt", _i32 * MAX_PARTS),
         ("parts", _i32),
         ("bias", _ptr),
+        ("gemm_rows", _i64),
     ]
 
 
@@ -104,12 +105,16 @@ def shared(
     )  # fmt: skip
 
 
-def linear(parts: list[tuple[torch.Tensor, str]], bias: torch.Tensor | None) -> Linear:
+def linear(
+    parts: list[tuple[torch.Tensor, str]], bias: torch.Tensor | None, gemm_rows: int
+) -> Linear:
     """A projection of quantized parts ([rows, bytes per row] uint8 blocks, format), stacked
-    along the output."""
+    along the output; above `gemm_rows` rows, bf16 activations take the bf16 GEMM
+    (`quant.bind_gemm`: every part a format `quant.has_gemm` accepts)."""
     if not 0 < len(parts) <= MAX_PARTS:
         raise ValueError(f"a projection takes 1 to {MAX_PARTS} parts")
-    out = Linear(parts=len(parts), bias=None if bias is None else bias.data_ptr())
+    bias_ptr = None if bias is None else bias.data_ptr()
+    out = Linear(parts=len(parts), bias=bias_ptr, gemm_rows=gemm_rows)
     for i, (blocks, fmt) in enumerate(parts):
         out.blocks[i], out.rows[i], out.fmt[i] = blocks.data_ptr(), blocks.shape[0], FORMATS[fmt][0]
     return out

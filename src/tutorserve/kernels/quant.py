@@ -2,7 +2,8 @@
 matmul's entry into `quant_x8.c` and `quant_rows16.c`), for the formats in
 `FORMATS` (ggml type id → weights per block, bytes per block). A `_R16` format is its GGUF
 format's blocks repacked sixteen rows at a time (`repack16`, `quant_rows16.c`): the same bytes,
-laid out so that a vector lane computes one output row."""
+laid out so that a vector lane computes one output row. On such rows `bind_gemm` is the bf16
+GEMM for many activation rows (`quant_gemm.c`), where the CPU has the bf16 dot product."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from tutorserve.kernels import isa
-from tutorserve.kernels.build import DTYPES, Kernels, traced
+from tutorserve.kernels.build import BF16_DOT_LEVELS, DTYPES, Kernels, traced
 
 FORMATS = {
     "Q4_0": (2, 32, 18),
@@ -74,6 +75,33 @@ def bind_matmul(
     return call
 
 
+def has_gemm(fmt: str) -> bool:
+    """Whether `bind_gemm` runs on rows of `fmt` here: a repacked format, and kernels with the
+    bf16 dot product."""
+    kernels = isa.active()
+    return fmt in REPACKED.values() and kernels is not None and kernels.level in BF16_DOT_LEVELS
+
+
+def bind_gemm(
+    blocks: torch.Tensor, fmt: str, k: int
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """x [B, k] @ W^T as a call (x, out) → None, as `bind_matmul`'s but for bf16 activations
+    only, on the weight dequantized to bf16 sixteen rows at a time (the dequantized model's
+    arithmetic: `quant_gemm.c`); for a format `has_gemm` accepts."""
+    fid, n, name = FORMATS[fmt][0], blocks.shape[0], f"tutorserve::quant_gemm_{fmt}"
+
+    def call(x: torch.Tensor, out: torch.Tensor) -> None:
+        with traced(name):
+            status = _kernels().lib.quant_gemm(
+                blocks.data_ptr(), fid, n, k, x.data_ptr(), x.shape[0], x.stride(0),
+                out.data_ptr(), DTYPES[out.dtype], out.stride(0), torch.get_num_threads(),
+            )  # fmt: skip
+        if status != 0:
+            _check(status, fmt, k)
+
+    return call
+
+
 def dequantize(
     blocks: torch.Tensor,
     fmt: str,
@@ -112,6 +140,8 @@ def repack16(blocks: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
 def _check(status: int, fmt: str, k: int) -> None:
     if status == -1:
         raise ValueError(f"{fmt} rows of {k} weights are not whole blocks")
+    if status == -3:
+        raise ValueError("these kernels have no bf16 dot product for the quant GEMM")
     if status != 0:
         raise MemoryError("quant kernel could not allocate its row buffers")
 

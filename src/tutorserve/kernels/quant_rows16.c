@@ -36,12 +36,8 @@ void tutorserve_quantize_rows(const void *x, int x_bf16, int64_t batch, int64_t 
 void tutorserve_decode_block(int fmt, const uint8_t *b, int8_t *q, float *scale,
                              float *offset); /* quant.c */
 
-/* Bytes per row before a block's codes: d, Q4_1's m, Q5_0's fifth bits. */
-static int head_bytes(int fmt) { return fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 2; }
 static int halves_of(int fmt) { return fmt == Q4_1 ? 2 : 1; } /* d, and Q4_1's m */
-static int words_of(int fmt) { return fmt == Q8_0 ? 8 : 4; }  /* code words per row */
 static int is_k(int fmt) { return fmt == Q4_K || fmt == Q6_K; }
-static const uint32_t Q8_FLIP = 0x80808080; /* int8 codes ↔ codes + 128 */
 
 /* GGUF rows (n of them, k weights each) → the repacked layout. 0; -1 for another format or
  * rows that do not come in sixteens of whole blocks. */

@@ -25,9 +25,6 @@ typedef struct {
 } Field;
 static const Field Q4K_FIELDS[] = {{0, 2, 1}, {2, 2, 1}, {4, 4, 3}, {16, 4, 32}, {0, 0, 0}};
 static const Field Q6K_FIELDS[] = {{0, 4, 32}, {128, 4, 16}, {192, 1, 16}, {208, 2, 1}, {0, 0, 0}};
-/* Where each field starts in a repacked group block (bytes). */
-enum { Q4K_D = 0, Q4K_DMIN = 32, Q4K_SCALES = 64, Q4K_CODES = 256 };
-enum { Q6K_LOW = 0, Q6K_HIGH = 2048, Q6K_SCALES = 3072, Q6K_D = 3328 };
 
 static const Field *fields_of(int fmt) { return fmt == Q4_K ? Q4K_FIELDS : Q6K_FIELDS; }
 
@@ -75,14 +72,8 @@ __attribute__((always_inline)) static inline void q4k_tile(const Args *a, int64_
         const uint8_t *blk = a->w + (g * a->blocks + i) * LANES * bytes_of(Q4_K);
         const vf d = halves(blk + Q4K_D + 2 * part * W);
         const vf dmin = halves(blk + Q4K_DMIN + 2 * part * W);
-        const vi lo = vi_load(blk + Q4K_SCALES + 4 * part * W);
-        const vi hi = vi_load(blk + Q4K_SCALES + 4 * (LANES + part * W));
-        const vi top = vi_load(blk + Q4K_SCALES + 4 * (2 * LANES + part * W));
-        const vi sc_top = vi_sll(vi_and(vi_srl(lo, 6), 0x03030303), 4);
-        const vi mn_top = vi_sll(vi_and(vi_srl(hi, 6), 0x03030303), 4);
-        const vi sc[2] = {vi_and(lo, 0x3F3F3F3F), vi_or(vi_and(top, 0x0F0F0F0F), sc_top)};
-        const vi mn47 = vi_or(vi_and(vi_srl(top, 4), 0x0F0F0F0F), mn_top);
-        const vi mn[2] = {vi_and(hi, 0x3F3F3F3F), mn47};
+        vi sc[2], mn[2];
+        q4k_scale_words(blk, part, sc, mn);
         for (int p = 0; p < 4; p++) { /* sub-blocks 2p and 2p + 1: one word's two nibbles */
             vf ps2[2][MAX_ROWS];
             for (int b = 0; b < ROWS; b++) ps2[0][b] = ps2[1][b] = vzero();

@@ -10,6 +10,15 @@
  * vector tiles hold TILE_ROWS). */
 enum { LANES = 16, MAX_ROWS = 4 };
 
+/* The 32-weight formats' group block (quant_rows16.c): bytes per row before the codes (d,
+ * Q4_1's m, Q5_0's fifth bits), and code words per row. */
+static inline int head_bytes(int fmt) { return fmt == Q4_1 ? 4 : fmt == Q5_0 ? 6 : 2; }
+static inline int words_of(int fmt) { return fmt == Q8_0 ? 8 : 4; } /* code words per row */
+static const uint32_t Q8_FLIP = 0x80808080;                          /* int8 codes ↔ + 128 */
+/* Where each field starts in a K-quant's repacked group block (bytes; quant_rows16_k.c). */
+enum { Q4K_D = 0, Q4K_DMIN = 32, Q4K_SCALES = 64, Q4K_CODES = 256 };
+enum { Q6K_LOW = 0, Q6K_HIGH = 2048, Q6K_SCALES = 3072, Q6K_D = 3328 };
+
 typedef struct {
     const uint8_t *w;
     int64_t blocks, k, ldy; /* blocks: the format's blocks per row */
@@ -114,5 +123,18 @@ static inline void store_tile(const Args *a, int64_t g, int part, int64_t b0, co
 }
 /* Per lane the four bytes of `byte` (0-3) of each word, as floats: a K-quant's unpacked scale. */
 static inline vf byte_lanes(vi v, int byte) { return vi_float(vi_and(vi_srl(v, 8 * byte), 0xFF)); }
+/* A Q4_K group block's (scale, min) pairs for lanes part·W ..: byte s % 4 of sc[s / 4] and
+ * mn[s / 4] are sub-block s's, unpacked as k4_scales does, sixteen rows at once. */
+static inline void q4k_scale_words(const uint8_t *blk, int part, vi sc[2], vi mn[2]) {
+    const vi lo = vi_load(blk + Q4K_SCALES + 4 * part * W);
+    const vi hi = vi_load(blk + Q4K_SCALES + 4 * (LANES + part * W));
+    const vi top = vi_load(blk + Q4K_SCALES + 4 * (2 * LANES + part * W));
+    const vi sc_top = vi_sll(vi_and(vi_srl(lo, 6), 0x03030303), 4);
+    const vi mn_top = vi_sll(vi_and(vi_srl(hi, 6), 0x03030303), 4);
+    sc[0] = vi_and(lo, 0x3F3F3F3F);
+    sc[1] = vi_or(vi_and(top, 0x0F0F0F0F), sc_top);
+    mn[0] = vi_and(hi, 0x3F3F3F3F);
+    mn[1] = vi_or(vi_and(vi_srl(top, 4), 0x0F0F0F0F), mn_top);
+}
 #endif
 #endif

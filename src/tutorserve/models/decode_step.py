@@ -123,7 +123,10 @@ def _describe(layers: nn.ModuleList, dtype: torch.dtype, paired_kv: bool) -> _De
         if any(t.dtype != dtype for t in norms + biases):
             return None
         max_rows += [p.gemv_rows for p in projs]
-        linears = [kernel.linear(list(zip(p.blocks, p.fmts, strict=True)), p.bias) for p in projs]
+        linears = [
+            kernel.linear(list(zip(p.blocks, p.fmts, strict=True)), p.bias, p.gemm_rows)
+            for p in projs
+        ]
         caches = [a.attn.k_cache, a.attn.v_cache]
         described.append(kernel.Layer(
             norms[0].data_ptr(), norms[1].data_ptr(), *linears, caches[0].data_ptr(),

@@ -4,21 +4,23 @@ Up to `gemv_rows` rows multiply on the blocks directly (`kernels/quant.c`: each 
 once, then dotted with every activation row, on int8 activations; rows in sixteens repacked so
 that a vector lane computes one output row, `kernels/quant_rows16.c`), reading 4.5-8.5 bits per
 weight instead of 16-32.
-More rows (prefill chunks, large decode batches) are compute-bound instead: the weight is
-dequantized into a scratch buffer the model's layers share, and PyTorch's GEMM runs on that.
+More rows (prefill chunks, large decode batches) are compute-bound instead. Above `gemm_rows`,
+bf16 activations on repacked rows go through the bf16 GEMM (`kernels/quant_gemm.c`, on CPUs
+with the bf16 dot product): each sixteen weight rows dequantized once per call into a panel the
+CPU's caches hold, never into memory. Otherwise the weight is dequantized into a scratch buffer
+the model's layers share, and PyTorch's GEMM runs on that.
 No layer keeps a float copy, but the buffer grows to the largest weight used that way (the LM
 head's, when more than 12 rows sample); a layer that finds its own weight still there (the LM
 head, when the other layers stay on their blocks) does not dequantize it again. Rewriting it
 for every layer makes prefill-sized batches slower than a model dequantized once
 (docs/benchmarks/quantization.md). Under `--batch-invariant` every row count stays on the
-blocks (`keep_on_blocks`).
+int8 kernels (`keep_on_blocks`).
 """
 
 from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,10 @@ from tutorserve.quant.weight import QuantWeight
 # layer that dequantizes takes the scratch buffer from the LM head.
 GEMV_ROWS_DEFAULT = 12
 GEMV_ROWS = {fmt: 256 for fmt in quant.REPACKED.values()}
+# Rows above which a layer of repacked parts takes the bf16 GEMM where it runs: one layer
+# alone crosses over at 4-24 rows by format and shape (8 Q6_K, 16 Q4_K, 12-24 Q4_1 and Q5_0,
+# quantization.md, *A bf16 GEMM on the blocks*); the GEMM then leads at every row count.
+GEMM_ROWS = 16
 
 
 class Scratch:
@@ -88,25 +94,30 @@ class QuantLinear(nn.Module):
             else:
                 merged.append(p)
         # Rows repacked by sixteen multiply 1.5-3x faster at batch 1-16, and a step keeps up
-        # with dequantize + GEMM to 256 rows (kernels/quant_rows16.c; quantization.md).
+        # with dequantize + GEMM to 256 rows (kernels/quant_rows16.c; quantization.md); only
+        # they have the bf16 GEMM.
         if repack:
             merged = [p.repacked() for p in merged]
         self.fmts = [p.fmt for p in merged]
         self.out_features = sum(p.out_features for p in merged)
         self.blocks = nn.ParameterList(_blocks(p) for p in merged)
-        self._plan = self._parts()
+        self._cols, start = [], 0
+        for p in merged:
+            self._cols.append(slice(start, start + p.out_features))
+            start += p.out_features
+        # Per part its bound kernels (the format looked up once): int8 tiles, and the GEMM.
+        self._matmuls = [quant.bind_matmul(b, f, self.in_features) for b, f in self._parts()]
+        self.gemm_rows = sys.maxsize
+        self._gemms = []
+        if all(quant.has_gemm(fmt) for fmt in self.fmts):
+            self.gemm_rows = GEMM_ROWS
+            self._gemms = [quant.bind_gemm(b, f, self.in_features) for b, f in self._parts()]
         self.gemv_rows = min(GEMV_ROWS.get(fmt, GEMV_ROWS_DEFAULT) for fmt in self.fmts)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.scratch = scratch
 
-    def _parts(self) -> list[tuple[torch.Tensor, str, slice, Callable]]:
-        """Per part: its blocks, format, output columns, and its bound matmul."""
-        out, start = [], 0
-        for blocks, fmt in zip(self.blocks, self.fmts, strict=True):
-            call = quant.bind_matmul(blocks, fmt, self.in_features)
-            out.append((blocks, fmt, slice(start, start + blocks.shape[0]), call))
-            start += blocks.shape[0]
-        return out
+    def _parts(self) -> list[tuple[torch.Tensor, str]]:
+        return list(zip(self.blocks, self.fmts, strict=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step calls this ~120 times for a few µs of matmul each: the Python around
@@ -114,22 +125,24 @@ class QuantLinear(nn.Module):
         # the usual case, writes the whole output without a column view).
         k = self.in_features
         rows = x if x.dim() == 2 else x.reshape(-1, k)
-        if rows.shape[0] > self.gemv_rows:
+        gemm = rows.shape[0] > self.gemm_rows and rows.dtype == torch.bfloat16
+        if rows.shape[0] > self.gemv_rows and not gemm:
             w, held = self.scratch.take(self, self.out_features, k, x.dtype)
             if not held:
-                for blocks, fmt, cols, _ in self._plan:
+                for (blocks, fmt), cols in zip(self._parts(), self._cols, strict=True):
                     quant.dequantize(blocks, fmt, k, out=w[cols])
             y = F.linear(rows, w, self.bias)
         else:
-            # The kernel reads bf16 activations and writes bf16 outputs itself; a bias is added
-            # before the one rounding to the model's dtype.
+            # The kernels read bf16 activations and write bf16 outputs themselves; a bias is
+            # added before the one rounding to the model's dtype.
             xs = rows.contiguous() if rows.dtype in DTYPES else rows.float().contiguous()
             out = x.dtype if x.dtype in DTYPES and self.bias is None else torch.float32
             y = torch.empty(rows.shape[0], self.out_features, dtype=out)
-            if len(self._plan) == 1:
-                self._plan[0][3](xs, y)
+            calls = self._gemms if gemm else self._matmuls
+            if len(calls) == 1:
+                calls[0](xs, y)
             else:
-                for _, _, cols, call in self._plan:
+                for call, cols in zip(calls, self._cols, strict=True):
                     call(xs, y[:, cols])
             if self.bias is not None:
                 y += self.bias
@@ -165,23 +178,29 @@ def quantized_blocks(model: nn.Module) -> list[nn.Parameter]:
     return blocks + [m.blocks for m in model.modules() if isinstance(m, QuantEmbedding)]
 
 
-def dequantizing_rows(model: nn.Module) -> int | None:
+def dequantizing_rows(model: nn.Module, dtype: torch.dtype) -> int | None:
     """Tokens per step above which most of `model`'s quantized weight (by elements) is
-    dequantized for a GEMM: such a step pays that once, whatever it computes. None when no
-    linear layer is quantized."""
+    dequantized for a GEMM, with activations of `dtype`: such a step pays that once, whatever it
+    computes. None when no linear layer is quantized, or when most of the weight never is
+    (bf16 activations on repacked rows take the bf16 GEMM instead)."""
     weight: Counter[int] = Counter()
     for layer in model.modules():
         if isinstance(layer, QuantLinear):
-            weight[layer.gemv_rows] += layer.in_features * layer.out_features
-    return weight.most_common(1)[0][0] if weight else None
+            gemm = dtype == torch.bfloat16 and layer.gemm_rows < sys.maxsize
+            limit = sys.maxsize if gemm else layer.gemv_rows
+            weight[limit] += layer.in_features * layer.out_features
+    rows = weight.most_common(1)[0][0] if weight else None
+    return None if rows == sys.maxsize else rows
 
 
 def keep_on_blocks(model: nn.Module) -> None:
-    """Every quantized linear multiplies on its blocks at any row count (`--batch-invariant`).
-    The block kernels sum each activation row alone, in one order whatever the batch holds;
-    PyTorch's GEMM on a dequantized weight orders a row's sums by the batch's shape, so in bf16
-    a row's logits, and at a near-tie its token, would depend on its neighbours. ValueError
-    for a model with a linear layer that is not on quantized blocks."""
+    """Every quantized linear multiplies on its int8 kernels at any row count
+    (`--batch-invariant`). They sum each activation row alone, in one order whatever the batch
+    holds; PyTorch's GEMM on a dequantized weight orders a row's sums by the batch's shape, so in
+    bf16 a row's logits, and at a near-tie its token, would depend on its neighbours; the bf16
+    GEMM on the blocks sums a row alone too, but another way than the int8 kernels do, so a row
+    would still change with the batch's size. ValueError for a model with a linear layer that
+    is not on quantized blocks."""
     plain = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if plain:
         raise ValueError(
@@ -190,4 +209,4 @@ def keep_on_blocks(model: nn.Module) -> None:
         )
     for m in model.modules():
         if isinstance(m, QuantLinear):
-            m.gemv_rows = sys.maxsize
+            m.gemv_rows = m.gemm_rows = sys.maxsize
