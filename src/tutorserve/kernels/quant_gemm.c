@@ -10,7 +10,7 @@
  * row then costs one vdpbf16ps per pair (32 products) on its bf16 values as they are, with
  * nothing after it. A tile of eight activation rows loads a panel word once for eight
  * products and one broadcast each (more rows ran slower). On a 2-core Zen 4 that is 190-225
- * GMAC/s from 32 rows on, where the int8 tiles give 150-170 and PyTorch's GEMM on a dequantized
+ * GMAC/s from 32 rows on, where the int8 tiles give 120-170 and PyTorch's GEMM on a dequantized
  * weight 195-215 before the dequantization (docs/benchmarks/quantization.md, *A bf16 GEMM on
  * the blocks*). It is the dequantized model's arithmetic, more exact than int8 activations,
  * without a dequantized copy in memory.
