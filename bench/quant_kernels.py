@@ -168,7 +168,7 @@ def gguf_crossover(path: str) -> None:
         if n > 10_000:  # the LM head: its own choice, timed by `crossover` on SmolLM2's
             continue
         scratch = torch.empty(n, k, dtype=torch.bfloat16)
-        gemm = repacked and quant.has_gemm(repacked.fmt)
+        gemm = repacked and quant.has_gemm(repacked.fmt, n)
         for rows in (8, 12, 16, 24, 32, 64):
             x = torch.randn(rows, k).bfloat16()
             y = torch.empty(rows, n, dtype=torch.bfloat16)

@@ -129,16 +129,20 @@ def test_repacked_rows_dequantize_and_multiply_as_their_gguf_rows(cpu_isa, fmt):
         quant.repack16(odd.blocks, fmt, k)
 
 
-@pytest.mark.parametrize("fmt", list(quant.REPACKED))
+@pytest.mark.parametrize("fmt", [*quant.REPACKED.values(), "Q8_0"])
 def test_the_bf16_gemm_multiplies_on_the_weight_dequantized_to_bf16(bf16_dot_isa, fmt):
-    """The bf16 GEMM on repacked rows computes with exactly the weights `dequantize` writes in
-    bf16 and the bf16 activations as they are: against a float64 matmul of both, float32 sums
-    (the 32-weight formats at 3 blocks a row, the K-quants at 2: every position of a block);
-    each row as it gives alone, whatever tile it shares; a bf16 output rounded once."""
-    k = 512 if quant.FORMATS[fmt][1] == 256 else 96
-    weight = QuantWeight(torch.from_numpy(random_blocks(fmt, 48, k)), fmt, k).repacked()
+    """The bf16 GEMM on repacked rows (and on Q8_0 in GGUF's layout, as an LM head keeps it)
+    computes with exactly the weights `dequantize` writes in bf16 and the bf16 activations as
+    they are: against a float64 matmul of both, float32 sums (the 32-weight formats at 3 blocks
+    a row, the K-quants at 2: every position of a block); each row as it gives alone, whatever
+    tile it shares; a bf16 output rounded once."""
+    gguf = fmt.removesuffix("_R16")
+    k = 512 if quant.FORMATS[gguf][1] == 256 else 96
+    weight = QuantWeight(torch.from_numpy(random_blocks(gguf, 48, k)), gguf, k)
+    if fmt != gguf:
+        weight = weight.repacked()
     w, repacked = weight.blocks, weight.fmt
-    assert quant.has_gemm(repacked) and not quant.has_gemm(fmt)
+    assert repacked == fmt and quant.has_gemm(fmt, 48) and not quant.has_gemm(fmt, 40)
     dequantized = quant.dequantize(w, repacked, k, torch.bfloat16).double()
     gemm = quant.bind_gemm(w, repacked, k)
     for batch in (1, 7, 8, 9, 20):  # below, at and above the tile of eight rows
@@ -159,7 +163,7 @@ def test_the_bf16_gemm_multiplies_on_the_weight_dequantized_to_bf16(bf16_dot_isa
 def test_the_bf16_gemm_is_only_where_the_cpu_has_the_bf16_dot_product(cpu_isa):
     w = QuantWeight(torch.from_numpy(random_blocks("Q4_0", 16, 64)), "Q4_0", 64).repacked()
     gemm = quant.bind_gemm(w.blocks, w.fmt, 64)
-    if quant.has_gemm(w.fmt):
+    if quant.has_gemm(w.fmt, 16):
         gemm(torch.randn(2, 64).bfloat16(), torch.empty(2, 16))
     else:
         with pytest.raises(ValueError, match="no bf16 dot product"):
@@ -199,7 +203,7 @@ def test_a_fused_linear_of_mixed_formats_matches_pytorch_on_its_dequantized_weig
     b = torch.randn(96) if bias else None
     layer = QuantLinear(parts, b, Scratch()).to(dtype)
     assert layer.fmts == ["Q4_K_R16", "Q6_K_R16", "Q4_1_R16"] and layer.gemv_rows == 256
-    assert layer.gemm_rows == (GEMM_ROWS if quant.has_gemm("Q4_K_R16") else sys.maxsize)
+    assert layer.gemm_rows == (GEMM_ROWS if quant.has_gemm("Q4_K_R16", 48) else sys.maxsize)
     x = torch.randn(rows, 256).to(dtype)
     exact = rows > layer.gemv_rows or (dtype == torch.bfloat16 and rows > layer.gemm_rows)
     read = (lambda x: x.double().numpy()) if exact else as_kernel_reads
@@ -230,6 +234,23 @@ def test_a_repacked_layer_multiplies_on_its_blocks_up_to_its_own_row_count(rows)
     assert abs(got - want).max() <= 1e-5 * abs(want).max()
 
 
+def test_a_q8_0_lm_head_takes_the_bf16_gemm_above_its_int8_rows_without_a_float_copy():
+    """An LM head keeps GGUF's Q8_0 layout; above its 12 int8 rows, in bf16 on a CPU with the
+    bf16 dot product, it multiplies on its blocks with the bf16 GEMM and never fills the
+    scratch buffer (elsewhere it dequantizes into it, as before)."""
+    w = QuantWeight(torch.from_numpy(random_blocks("Q8_0", 64, 64)), "Q8_0", 64)
+    head = QuantLinear([w], None, Scratch(), repack=False)
+    has = quant.has_gemm("Q8_0", 64)
+    assert head.fmts == ["Q8_0"] and head.gemv_rows == GEMV_ROWS_DEFAULT
+    assert head.gemm_rows == (GEMV_ROWS_DEFAULT if has else sys.maxsize)
+    x = torch.randn(GEMV_ROWS_DEFAULT + 1, 64).bfloat16()
+    want = x.double() @ quant.dequantize(w.blocks, "Q8_0", 64, torch.bfloat16).double().T
+    got = head(x)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= 1e-2 * want.abs().max()
+    assert head.scratch.take(head, 0, 0, torch.bfloat16)[1] != has  # held only if dequantized
+
+
 def test_kept_on_blocks_a_row_gives_what_it_gives_alone_at_any_row_count():
     """`--batch-invariant` keeps every row count on the int8 kernels, which sum a row alone:
     40 rows give each row's single-row result bit for bit, where the bf16 GEMM (and above 256
@@ -248,7 +269,8 @@ def test_the_shared_buffer_is_dequantized_again_only_after_another_layer_took_it
     with no other layer in between (the LM head during large decode batches) it uses what the
     buffer holds; after another layer, or in another dtype, it dequantizes again."""
     scratch = Scratch()
-    weights = [QuantWeight(torch.from_numpy(random_blocks("Q8_0", 64, 64, seed=s)), "Q8_0", 64)
+    # Q5_1, which the bf16 GEMM does not take (a Q8_0 head takes it in bf16 where it runs)
+    weights = [QuantWeight(torch.from_numpy(random_blocks("Q5_1", 64, 64, seed=s)), "Q5_1", 64)
                for s in (1, 2)]  # fmt: skip
     a, b = (QuantLinear([w], None, scratch, repack=False) for w in weights)  # as LM heads
     calls = []
@@ -261,7 +283,7 @@ def test_the_shared_buffer_is_dequantized_again_only_after_another_layer_took_it
              (a, torch.float32, 3), (a, torch.bfloat16, 4)]  # fmt: skip
     for layer, dtype, dequantized in steps:
         w = weights[0] if layer is a else weights[1]
-        want = x.to(dtype).double() @ torch.from_numpy(reference(w.blocks.numpy(), "Q8_0")).T
+        want = x.to(dtype).double() @ torch.from_numpy(reference(w.blocks.numpy(), "Q5_1")).T
         got = layer(x.to(dtype)).double()
         assert (got - want).abs().max() <= 3e-2 * want.abs().max()
         assert len(calls) == dequantized

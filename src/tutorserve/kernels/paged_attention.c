@@ -188,34 +188,13 @@ static inline __mmask16 lanes(int64_t vis, int64_t t0) {
 static inline __m512bh bcast(uint32_t w) { return (__m512bh)_mm512_set1_epi32((int)w); }
 
 /* kp[c][j] = dim pair c of the tile's key j (32-bit words), transposed sixteen by sixteen words
- * in registers: unpacks pair words, then 64-bit halves, then 128-bit lanes. */
+ * in registers. */
 static inline void transpose_keys(const uint16_t *k, const int64_t at[TILE], int64_t D,
                                   uint32_t *kp) {
     for (int64_t h = 0; h < D / 32; h++) {
-        __m512i r[16], t[16];
+        __m512i r[16];
         for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_si512(k + at[j] + 32 * h);
-        for (int j = 0; j < 16; j += 2) {
-            t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
-            t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
-        }
-        for (int i = 0; i < 16; i += 4) {
-            r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-            r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-            r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-            r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-        }
-        /* Now 128-bit lane L of r[4i + m] holds word 4L + m of keys 4i .. 4i + 3. */
-        for (int m = 0; m < 4; m++) {
-            const __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44);
-            const __m512i v1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xEE);
-            const __m512i v2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44);
-            const __m512i v3 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xEE);
-            uint32_t *o = kp + (16 * h + m) * TILE; /* word 4L + m is at o + 4L TILE */
-            _mm512_store_si512(o, _mm512_shuffle_i32x4(v0, v2, 0x88));
-            _mm512_store_si512(o + 4 * TILE, _mm512_shuffle_i32x4(v0, v2, 0xDD));
-            _mm512_store_si512(o + 8 * TILE, _mm512_shuffle_i32x4(v1, v3, 0x88));
-            _mm512_store_si512(o + 12 * TILE, _mm512_shuffle_i32x4(v1, v3, 0xDD));
-        }
+        store_transposed16(r, kp + 16 * h * TILE, TILE);
     }
 }
 

@@ -2,8 +2,9 @@
 matmul's entry into `quant_x8.c` and `quant_rows16.c`), for the formats in
 `FORMATS` (ggml type id → weights per block, bytes per block). A `_R16` format is its GGUF
 format's blocks repacked sixteen rows at a time (`repack16`, `quant_rows16.c`): the same bytes,
-laid out so that a vector lane computes one output row. On such rows `bind_gemm` is the bf16
-GEMM for many activation rows (`quant_gemm.c`), where the CPU has the bf16 dot product."""
+laid out so that a vector lane computes one output row. On such rows (and Q8_0's) `bind_gemm`
+is the bf16 GEMM for many activation rows (`quant_gemm.c`), where the CPU has the bf16 dot
+product."""
 
 from __future__ import annotations
 
@@ -75,11 +76,14 @@ def bind_matmul(
     return call
 
 
-def has_gemm(fmt: str) -> bool:
-    """Whether `bind_gemm` runs on rows of `fmt` here: a repacked format, and kernels with the
-    bf16 dot product."""
+def has_gemm(fmt: str, n: int) -> bool:
+    """Whether `bind_gemm` runs here on `n` rows of `fmt`: a repacked format or Q8_0 in GGUF's
+    layout, rows in sixteens, and kernels with the bf16 dot product."""
     kernels = isa.active()
-    return fmt in REPACKED.values() and kernels is not None and kernels.level in BF16_DOT_LEVELS
+    formats = {"Q8_0", *REPACKED.values()}
+    return (
+        fmt in formats and n % 16 == 0 and kernels is not None and kernels.level in BF16_DOT_LEVELS
+    )
 
 
 def bind_gemm(

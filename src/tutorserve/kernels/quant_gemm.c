@@ -107,11 +107,28 @@ static void panel_q6k(const uint8_t *w, int64_t g, int64_t k, uint32_t *panel) {
     }
 }
 
+/* Q8_0 in GGUF's layout (an LM head keeps it: quant/layers.py): each row's block gives its
+ * sixteen pair words d q (decode's d q + 0) in one vector; sixteen rows' vectors transposed. */
+static void panel_q8_rows(const uint8_t *w, int64_t g, int64_t k, uint32_t *panel) {
+    for (int64_t i = 0; i < k / 32; i++) {
+        __m512i r[LANES];
+        for (int l = 0; l < LANES; l++) {
+            const uint8_t *blk = w + ((g * LANES + l) * (k / 32) + i) * bytes_of(Q8_0);
+            const vf d = vset1(half(blk));
+            const vf lo = vmul(vload_i8((const int8_t *)blk + 2), d);
+            const vf hi = vmul(vload_i8((const int8_t *)blk + 18), d);
+            r[l] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        }
+        store_transposed16(r, panel + i * 16 * LANES, LANES);
+    }
+}
+
 static void fill_panel(const uint8_t *w, int fmt, int64_t g, int64_t k, uint32_t *panel) {
     switch (fmt) {
-    case Q4_K: panel_q4k(w, g, k, panel); break;
-    case Q6_K: panel_q6k(w, g, k, panel); break;
-    default: panel32(w, fmt, g, k, panel); break;
+    case Q8_0: panel_q8_rows(w, g, k, panel); break;
+    case Q4_K | ROWS16: panel_q4k(w, g, k, panel); break;
+    case Q6_K | ROWS16: panel_q6k(w, g, k, panel); break;
+    default: panel32(w, fmt & ~ROWS16, g, k, panel); break;
     }
 }
 
@@ -156,14 +173,16 @@ static void gemm_group(const uint32_t *panel, int64_t k, const uint16_t *x, int6
 }
 #endif
 
-/* y = x W^T: W [n, k] rows of a repacked format (ROWS16 set); x [batch, k] bf16 rows ldx
- * apart; y [batch, n] float32 or bf16 rows ldy apart. 0; -1 for another format or shape; -2
- * when a panel cannot be allocated; -3 at a level without the bf16 dot product. */
+/* y = x W^T: W [n, k] rows of a repacked format (ROWS16 set) or Q8_0 in GGUF's layout, n a
+ * multiple of 16; x [batch, k] bf16 rows ldx apart; y [batch, n] float32 or bf16 rows ldy
+ * apart. 0; -1 for another format or shape; -2 when a panel cannot be allocated; -3 at a level
+ * without the bf16 dot product. */
 int quant_gemm(const void *w, int fmt, int64_t n, int64_t k, const void *x, int64_t batch,
                int64_t ldx, void *y, int y_bf16, int64_t ldy, int num_threads) {
 #if defined(TS_BF16DOT)
     const int base = fmt & ~ROWS16;
-    if (!(fmt & ROWS16) || !repacks16(base) || n % LANES || k % group_of(base)) return -1;
+    const int known = fmt & ROWS16 ? repacks16(base) : fmt == Q8_0;
+    if (!known || n % LANES || k % group_of(base)) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -176,7 +195,7 @@ int quant_gemm(const void *w, int fmt, int64_t n, int64_t k, const void *x, int6
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < n / LANES; g++) {
-                fill_panel(w, base, g, k, panel);
+                fill_panel(w, fmt, g, k, panel);
                 gemm_group(panel, k, x, batch, ldx, y, y_bf16, ldy, g * LANES);
             }
         }

@@ -82,6 +82,34 @@ static inline vf vload_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
+/* Sixteen vectors of sixteen 32-bit words, transposed: out + w · stride gets word w of r[0],
+ * r[1], .., r[15]. In registers: unpacks words, then 64-bit halves, then 128-bit lanes. */
+static inline void store_transposed16(__m512i r[16], uint32_t *out, int64_t stride) {
+    __m512i t[16];
+    for (int j = 0; j < 16; j += 2) {
+        t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+        t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* Now 128-bit lane L of r[4i + m] holds word 4L + m of vectors 4i .. 4i + 3. */
+    for (int m = 0; m < 4; m++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x44);
+        const __m512i v3 = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xEE);
+        uint32_t *o = out + m * stride; /* word 4L + m is at o + 4L stride */
+        _mm512_storeu_si512(o, _mm512_shuffle_i32x4(v0, v2, 0x88));
+        _mm512_storeu_si512(o + 4 * stride, _mm512_shuffle_i32x4(v0, v2, 0xDD));
+        _mm512_storeu_si512(o + 8 * stride, _mm512_shuffle_i32x4(v1, v3, 0x88));
+        _mm512_storeu_si512(o + 12 * stride, _mm512_shuffle_i32x4(v1, v3, 0xDD));
+    }
+}
+
 #elif defined(TS_AVX2)
 #include <immintrin.h>
 enum { VL = 8 };

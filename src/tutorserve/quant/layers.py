@@ -5,10 +5,11 @@ once, then dotted with every activation row, on int8 activations; rows in sixtee
 that a vector lane computes one output row, `kernels/quant_rows16.c`), reading 4.5-8.5 bits per
 weight instead of 16-32.
 More rows (prefill chunks, large decode batches) are compute-bound instead. Above `gemm_rows`,
-bf16 activations on repacked rows go through the bf16 GEMM (`kernels/quant_gemm.c`, on CPUs
-with the bf16 dot product): each sixteen weight rows dequantized once per call into a panel the
-CPU's caches hold, never into memory. Otherwise the weight is dequantized into a scratch buffer
-the model's layers share, and PyTorch's GEMM runs on that.
+bf16 activations on repacked rows (or Q8_0's, an LM head's) go through the bf16 GEMM
+(`kernels/quant_gemm.c`, on CPUs with the bf16 dot product): each sixteen weight rows
+dequantized once per call into a panel the CPU's caches hold, never into memory. Otherwise the
+weight is dequantized into a scratch buffer the model's layers share, and PyTorch's GEMM runs
+on that.
 No layer keeps a float copy, but the buffer grows to the largest weight used that way (the LM
 head's, when more than 12 rows sample); a layer that finds its own weight still there (the LM
 head, when the other layers stay on their blocks) does not dequantize it again. Rewriting it
@@ -38,9 +39,10 @@ from tutorserve.quant.weight import QuantWeight
 # layer that dequantizes takes the scratch buffer from the LM head.
 GEMV_ROWS_DEFAULT = 12
 GEMV_ROWS = {fmt: 256 for fmt in quant.REPACKED.values()}
-# Rows above which a layer of repacked parts takes the bf16 GEMM where it runs: one layer
-# alone crosses over at 4-24 rows by format and shape (8 Q6_K, 16 Q4_K, 12-24 Q4_1 and Q5_0,
-# quantization.md, *A bf16 GEMM on the blocks*); the GEMM then leads at every row count.
+# Rows above which a layer whose parts the bf16 GEMM takes (`quant.has_gemm`) runs it, or
+# above its `gemv_rows` if fewer (an LM head in GGUF's Q8_0): one repacked layer alone crosses
+# over at 8-24 rows by format and shape (8 Q6_K, 16 Q4_K, 12-24 Q4_1 and Q5_0; quantization.md,
+# *A bf16 GEMM on the blocks*); the GEMM then leads at every row count.
 GEMM_ROWS = 16
 
 
@@ -107,12 +109,12 @@ class QuantLinear(nn.Module):
             start += p.out_features
         # Per part its bound kernels (the format looked up once): int8 tiles, and the GEMM.
         self._matmuls = [quant.bind_matmul(b, f, self.in_features) for b, f in self._parts()]
+        self.gemv_rows = min(GEMV_ROWS.get(fmt, GEMV_ROWS_DEFAULT) for fmt in self.fmts)
         self.gemm_rows = sys.maxsize
         self._gemms = []
-        if all(quant.has_gemm(fmt) for fmt in self.fmts):
-            self.gemm_rows = GEMM_ROWS
+        if all(quant.has_gemm(f, b.shape[0]) for b, f in self._parts()):
+            self.gemm_rows = min(GEMM_ROWS, self.gemv_rows)
             self._gemms = [quant.bind_gemm(b, f, self.in_features) for b, f in self._parts()]
-        self.gemv_rows = min(GEMV_ROWS.get(fmt, GEMV_ROWS_DEFAULT) for fmt in self.fmts)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
         self.scratch = scratch
 
