@@ -1,7 +1,9 @@
-"""The default model's decode step with its tied Q8_0 LM head in GGUF's layout and repacked by
-sixteen rows (`models/weights.py` keeps GGUF's), in turns on one engine.
+"""A decode step with the model's quantized LM head in GGUF's layout and repacked by sixteen
+rows (`models/weights.py` keeps GGUF's), in turns on one engine.
 
-    .venv/bin/python bench/head_layout.py 1   # requests decoding together (≤ 64)
+    .venv/bin/python bench/head_layout.py 1 [MODEL]   # requests decoding together (≤ 64)
+
+The default model (its Q8_0 head tied to the embedding) unless MODEL names another (a GGUF).
 
 Three rounds of 30 steps per layout after every request is decoding; prints ms per step and
 the median of each layout.
@@ -15,16 +17,16 @@ import sys
 from tutorserve import LLM
 from tutorserve.bench.profile import seconds_per_step, start_decoding, stop_decoding
 from tutorserve.kernels import isa
-from tutorserve.quant import QuantLinear
+from tutorserve.quant import QuantLinear, QuantWeight
 
 
-def main(batch: int) -> None:
-    llm = LLM("smollm2-135m-instruct", dtype="bfloat16", quantization="auto")
+def main(batch: int, name: str) -> None:
+    llm = LLM(name, dtype="bfloat16", quantization="auto")
     model = llm.engine.model
-    heads = {"gguf": model.lm_head}
-    heads["repacked"] = QuantLinear(
-        [model.embed_tokens.weight()], None, model.lm_head.scratch, repack=True
-    )
+    head = model.lm_head
+    heads = {"gguf": head}
+    weight = QuantWeight(head.blocks[0].data, head.fmts[0], head.in_features)
+    heads["repacked"] = QuantLinear([weight], None, head.scratch, repack=True)
     print(f"kernels: {isa.active().level}; heads: {[h.fmts for h in heads.values()]}")
     ms: dict[str, list[float]] = {name: [] for name in heads}
     for _ in range(3):
@@ -39,4 +41,4 @@ def main(batch: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "smollm2-135m-instruct")

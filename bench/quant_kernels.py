@@ -12,9 +12,9 @@ A format with a repacked layout (`quant.REPACKED`) is also timed repacked.
 `crossover`: what `QuantLinear` chooses between at a row count (`quant/layers.py: GEMV_ROWS`):
 repacked Q4_1 rows, or dequantizing into the scratch buffer and then bf16 GEMM, beside the GEMM
 alone (a model dequantized at load); and the LM head's dequantization alone (median of 30).
-`crossover FILE`: the same choice on a GGUF's own layer tensors (one per projection and
-format, in GGUF's layout, and repacked where the format has a repacked layout, with the bf16
-GEMM on the repacked rows where the CPU has it) at 8 to 64 rows (median of 20).
+`crossover FILE`: the same choice on a GGUF's own tensors (one per projection and format, in
+GGUF's layout, and repacked where the format has a repacked layout, with the bf16 GEMM where
+the CPU has it on the layout a model keeps) at 8 to 64 rows (median of 20; 5 for the LM head).
 `gguf`: the first tensor of each (projection, format) pair in a GGUF file (a Q4_K_M file mixes
 several), its real blocks multiplied at batch 1 and 8 (median of 100; 20 for the LM head), in
 GGUF's layout and, where the format has one, repacked.
@@ -165,10 +165,10 @@ def gguf_crossover(path: str) -> None:
           "dequantize + bf16 GEMM")  # fmt: skip
     for name, fmt, weight, repacked in _kinds(path):
         n, k = weight.shape
-        if n > 10_000:  # the LM head: its own choice, timed by `crossover` on SmolLM2's
-            continue
+        reps = 5 if n > 10_000 else 20  # the LM head
         scratch = torch.empty(n, k, dtype=torch.bfloat16)
-        gemm = repacked and quant.has_gemm(repacked.fmt, n)
+        kept = repacked or weight  # as a model keeps it (an untied LM head too)
+        gemm = quant.has_gemm(kept.fmt, n)
         for rows in (8, 12, 16, 24, 32, 64):
             x = torch.randn(rows, k).bfloat16()
             y = torch.empty(rows, n, dtype=torch.bfloat16)
@@ -177,12 +177,12 @@ def gguf_crossover(path: str) -> None:
                 quant.dequantize(blocks, fmt, k, out=scratch)
                 torch.mm(x, scratch.T, out=y)
 
-            a, c = _time_on(weight, x, 20), _median_us(dequantized, 20)
-            b = f"{_time_on(repacked, x, 20):,.0f}" if repacked else "–"
+            a, c = _time_on(weight, x, reps), _median_us(dequantized, reps)
+            b = f"{_time_on(repacked, x, reps):,.0f}" if repacked else "–"
             g = "–"
             if gemm:
-                call = quant.bind_gemm(repacked.blocks, repacked.fmt, k)
-                g = f"{_median_us(lambda x=x, y=y, call=call: call(x, y), 20):,.0f}"
+                call = quant.bind_gemm(kept.blocks, kept.fmt, k)
+                g = f"{_median_us(lambda x=x, y=y, call=call: call(x, y), reps):,.0f}"
             print(f"| {name} | {fmt} | {rows} | {a:,.0f} | {b} | {g} | {c:,.0f} |")
 
 

@@ -85,12 +85,12 @@ def install_quantized(
     """Replace each module `load_weights` returned quantized parts for with its quantized form
     (a tied LM head follows a quantized embedding); `dtype` is the activations'.
 
-    The LM head keeps GGUF's layout: repacked, a Q8_0 head gained SmolLM2's step 0-3 % at 1-32
-    rows (bench/head_layout.py) and Qwen's head alone is 20 % slower at 8 rows; above 12 rows it
-    dequantizes into the scratch buffer, which it alone takes while the repacked layers stay on
-    their blocks, so it does so once (docs/benchmarks/quantization.md, *K-quants and Q8_0
-    repacked*)."""
-    scratch, head = Scratch(), getattr(model, "lm_head", None)
+    A tied LM head keeps GGUF's layout, sharing the embedding's blocks (which it gathers rows
+    of); repacked on its own copy, SmolLM2's gained its step 0-3 % at 1-32 rows
+    (bench/head_layout.py). An untied head is repacked like the other layers: Qwen2.5-Coder's
+    step 4 % faster at batch 1 and 7 % at 8 (docs/benchmarks/quantization.md, *A bf16 GEMM on
+    the blocks*)."""
+    scratch = Scratch()
     for name, shards in quantized.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -99,7 +99,7 @@ def install_quantized(
         if isinstance(old, nn.Embedding):
             new: nn.Module = QuantEmbedding(parts[0], dtype)
         else:
-            new = QuantLinear(parts, old.bias, scratch, repack=old is not head)
+            new = QuantLinear(parts, old.bias, scratch)
         setattr(parent, attr, new)
     embed = getattr(model, "embed_tokens", None)
     if model.config.tie_word_embeddings and isinstance(embed, QuantEmbedding):  # type: ignore[union-attr]
