@@ -1,6 +1,6 @@
-/* A bf16 GEMM on weights repacked sixteen rows at a time (quant_rows16.c), for calls with many
- * activation rows (large decode batches, speculative verification, prefill chunks), at the
- * levels with the bf16 dot product.
+/* A bf16 GEMM on weights repacked sixteen rows at a time (quant_rows16.c), or Q8_0 in GGUF's
+ * layout (a tied LM head), for calls with many activation rows (large decode batches,
+ * speculative verification, prefill chunks), at the levels with the bf16 dot product.
  *
  * The int8 tiles give every four activation codes their own scale, so each integer
  * multiply-add (64 products) is followed by a conversion and an FMA on the same port: 32
@@ -107,7 +107,7 @@ static void panel_q6k(const uint8_t *w, int64_t g, int64_t k, uint32_t *panel) {
     }
 }
 
-/* Q8_0 in GGUF's layout (an LM head keeps it: quant/layers.py): each row's block gives its
+/* Q8_0 in GGUF's layout (a tied LM head keeps it: models/weights.py): each row's block gives its
  * sixteen pair words d q (decode's d q + 0) in one vector; sixteen rows' vectors transposed. */
 static void panel_q8_rows(const uint8_t *w, int64_t g, int64_t k, uint32_t *panel) {
     for (int64_t i = 0; i < k / 32; i++) {
