@@ -89,7 +89,8 @@ def _toggles(llm: LLM) -> dict[str, tuple[str, str, Callable[[bool], None]]]:
     def gemm(on: bool) -> None:  # int8 tiles to 256 rows without it, as before the GEMM
         for m in quantized:
             m.gemm_rows = gemm_rows[m] if on else sys.maxsize
-        llm.engine.model.fused_decode._key = None  # the C loop describes the layers again
+        if llm.engine.model.fused_decode is not None:
+            llm.engine.model.fused_decode._key = None  # the C loop describes the layers again
 
     return {
         "prefix-reuse": ("reuse", "gather every step", prefix),

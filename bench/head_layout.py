@@ -1,9 +1,11 @@
 """A decode step with the model's quantized LM head in GGUF's layout and repacked by sixteen
-rows (`models/weights.py` keeps GGUF's), in turns on one engine.
+rows, in turns on one engine (`models/weights.py` keeps a tied head in GGUF's layout and
+repacks an untied one).
 
     .venv/bin/python bench/head_layout.py 1 [MODEL]   # requests decoding together (≤ 64)
 
-The default model (its Q8_0 head tied to the embedding) unless MODEL names another (a GGUF).
+The default model (its Q8_0 head tied to the embedding) unless MODEL names a GGUF file (an
+untied head's GGUF rows are read from it again).
 
 Three rounds of 30 steps per layout after every request is decoding; prints ms per step and
 the median of each layout.
@@ -14,19 +16,28 @@ from __future__ import annotations
 import statistics
 import sys
 
+import torch
+from gguf import GGUFReader
+
 from tutorserve import LLM
 from tutorserve.bench.profile import seconds_per_step, start_decoding, stop_decoding
-from tutorserve.kernels import isa
+from tutorserve.kernels import isa, quant
 from tutorserve.quant import QuantLinear, QuantWeight
 
 
-def main(batch: int, name: str) -> None:
-    llm = LLM(name, dtype="bfloat16", quantization="auto")
+def main(batch: int, model_name: str) -> None:
+    llm = LLM(model_name, dtype="bfloat16", quantization="auto")
     model = llm.engine.model
     head = model.lm_head
-    heads = {"gguf": head}
     weight = QuantWeight(head.blocks[0].data, head.fmts[0], head.in_features)
-    heads["repacked"] = QuantLinear([weight], None, head.scratch, repack=True)
+    if weight.fmt in quant.REPACKED.values():  # repacked at load: GGUF's rows from the file
+        t = next(t for t in GGUFReader(model_name).tensors if t.name == "output.weight")
+        blocks = torch.from_numpy(t.data.reshape(int(t.shape[1]), -1).copy())
+        weight = QuantWeight(blocks, t.tensor_type.name, int(t.shape[0]))
+    heads = {
+        "gguf": QuantLinear([weight], None, head.scratch, repack=False),
+        "repacked": QuantLinear([weight], None, head.scratch),
+    }
     print(f"kernels: {isa.active().level}; heads: {[h.fmts for h in heads.values()]}")
     ms: dict[str, list[float]] = {name: [] for name in heads}
     for _ in range(3):

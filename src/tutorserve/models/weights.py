@@ -88,8 +88,8 @@ def install_quantized(
     A tied LM head keeps GGUF's layout, sharing the embedding's blocks (which it gathers rows
     of); repacked on its own copy, SmolLM2's gained its step 0-3 % at 1-32 rows
     (bench/head_layout.py). An untied head is repacked like the other layers: Qwen2.5-Coder's
-    step 4 % faster at batch 1 and 7 % at 8 (docs/benchmarks/quantization.md, *A bf16 GEMM on
-    the blocks*)."""
+    step on par at batch 1 and 6-7 % faster at 8 (docs/benchmarks/quantization.md, *A bf16 GEMM
+    on the blocks*)."""
     scratch = Scratch()
     for name, shards in quantized.items():
         parent_name, _, attr = name.rpartition(".")
