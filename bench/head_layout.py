@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import statistics
 import sys
-
-import torch
-from gguf import GGUFReader
+from pathlib import Path
 
 from tutorserve import LLM
 from tutorserve.bench.profile import seconds_per_step, start_decoding, stop_decoding
 from tutorserve.kernels import isa, quant
+from tutorserve.models.gguf_file import GGUFModel
 from tutorserve.quant import QuantLinear, QuantWeight
 
 
@@ -31,9 +30,8 @@ def main(batch: int, model_name: str) -> None:
     head = model.lm_head
     weight = QuantWeight(head.blocks[0].data, head.fmts[0], head.in_features)
     if weight.fmt in quant.REPACKED.values():  # repacked at load: GGUF's rows from the file
-        t = next(t for t in GGUFReader(model_name).tensors if t.name == "output.weight")
-        blocks = torch.from_numpy(t.data.reshape(int(t.shape[1]), -1).copy())
-        weight = QuantWeight(blocks, t.tensor_type.name, int(t.shape[0]))
+        tensors = GGUFModel(Path(model_name)).tensors(keep_quantized=True)
+        weight = next(w for name, w in tensors if name == "lm_head.weight")
     heads = {
         "gguf": QuantLinear([weight], None, head.scratch, repack=False),
         "repacked": QuantLinear([weight], None, head.scratch),
